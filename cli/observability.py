@@ -91,6 +91,11 @@ class Observers:
         self._serve_exporter(PrometheusExporter(server, privacy=privacy_on(self.args)))
         server.coordinator.on_round_end.append(self.exporter.observe)
 
+    def watch(self, server) -> None:
+        """Have ``server`` (a CoordinatorServer) feed the Prometheus endpoint (:meth:`attach`) and TensorBoard."""
+        self.attach(server)
+        server.coordinator.on_round_end.extend(self.round_callbacks())
+
     def attach_service(self, idle_server) -> None:
         """A service's one endpoint, served from its start (``idle_server``: its idle coordinator's server, whose
         agents it counts until a run's follows) when --metrics-port is set; UserError if it cannot be bound."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from fedpar.cli.config import ignored_given
 from fedpar.cli.declared import from_args
+from fedpar.cli.observability import Observers
 from fedpar.cli.privacy import privacy_on
 from fedpar.cli.serve_service import until_told
 from fedpar.cli.tlsopts import server_security
@@ -89,11 +90,13 @@ def _serve(args: argparse.Namespace, earlier: EarlierRun) -> int:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
+    observers = Observers(args)  # --metrics-port and --tensorboard, fed by each Message exchange's row
     server = CoordinatorServer(coordinator, host=args.host, port=args.port, credentials=security.credentials)
     if args.port_file:
         server.on_listening = lambda port: atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
     stopped_by: KeyboardInterrupt | None = None
     try:
+        observers.watch(server)
         server.start()
         where = grpc_target(args.host, server.port)
         print(f"coordinator listening on {where} ({security.description}) for Flower App "
@@ -106,6 +109,7 @@ def _serve(args: argparse.Namespace, earlier: EarlierRun) -> int:
         stopped_by = exc
     finally:
         server.stop(grace=0.5 if stopped_by is not None else 1.0)
+        observers.close()
     if server.error is not None:
         from fedpar.task import TaskFailed
 

@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
                   "it private; add --strategy NAME to let fedpar drive the app's ClientApp (with DP), or drop "
                   "--privacy", file=sys.stderr)
             return 2
-        return run_server_app(cfg)
+        return run_server_app(args, cfg)
     launched = cfg.aggregator_ranks > 1 or cfg.checkpoint_dir is not None  # a lost rank 0 is said, or resumed
     if launched:
         return launch_checked(args, cfg)
@@ -412,22 +412,28 @@ def flower_app_clients(args: argparse.Namespace) -> None:
         args.clients = clients
 
 
-def run_server_app(cfg: SimulationConfig) -> int:
-    """``--flower-app DIR`` without ``--strategy``: the app's ServerApp drives the run; print the summary."""
+def run_server_app(args: argparse.Namespace, cfg: SimulationConfig) -> int:
+    """``--flower-app DIR`` without ``--strategy``: the app's ServerApp drives the run, watched as ``args`` asks
+    (--metrics-port, --tensorboard); print the summary."""
     from fedpar.simulations.flower_app_run import run_flower_app
     from fedpar.simulations.run_outputs import RunOutputs
     from fedpar.tasks.flower_app import load_flower_app
 
+    observers = None
     try:
         app = load_flower_app(cfg.flower_app, cfg.run_config)
+        observers = Observers(args)
         with stop_on_signals() as stop:
-            summary = run_flower_app(cfg, app, cfg.run_config)
+            summary = run_flower_app(cfg, app, cfg.run_config, on_server=observers.watch)
     except (ValueError, RuntimeError) as exc:  # a setting it cannot honour, an app that cannot load, a lost worker,
         print(f"fedpar simulate: {exc}", file=sys.stderr)  # the ServerApp's failure (TaskFailed: exit 1)
         return getattr(exc, "exit_code", 2 if isinstance(exc, ValueError) else 1)
-    except UserError as exc:  # an earlier run's file in --out that cannot be set aside
+    except UserError as exc:  # an earlier run's file in --out that cannot be set aside, a --metrics-port taken since
         print(f"fedpar simulate: {exc}", file=sys.stderr)
         return exc.exit_code
+    finally:
+        if observers is not None:
+            observers.close()
     summary.pop("config", None)
     written = RunOutputs(summary, summary.pop("written"))
     print(json.dumps(summary, indent=2))

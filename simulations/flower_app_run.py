@@ -8,6 +8,7 @@ import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -58,11 +59,12 @@ def _it(flags: list[str]) -> str:
     return "it" if len(flags) == 1 else "them"
 
 
-def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None = None) -> dict:
+def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None = None,
+                   on_server: Callable[[CoordinatorServer], None] | None = None) -> dict:
     """Run ``app``'s ServerApp against ``cfg.clients`` members hosted by ``cfg.workers`` processes (``run_config``:
     the --run-config overrides, given to the workers, which load the app themselves); writes metrics.jsonl, the
     final arrays (global.safetensors, global.json) and summary.json (with the Result's metrics under "flower")
-    under ``cfg.out``; returns the summary."""
+    under ``cfg.out``; returns the summary. ``on_server(server)`` sees the coordinator before it starts."""
     problem = flower_app_refusal(cfg)
     if problem:
         raise ValueError(problem)
@@ -75,7 +77,7 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
     try:
         # started before the coordinator's set-up, forked while this process runs one thread
         workers = WorkerProcesses(max(1, min(cfg.workers, cfg.clients)), None, cfg.data_dir)
-        summary = _serve_app(cfg, app, run_config, out, started, workers)
+        summary = _serve_app(cfg, app, run_config, out, started, workers, on_server)
         if earlier is not None and earlier.settle():  # no round written: the earlier run's files are back
             summary["written"] = []
         return summary
@@ -87,7 +89,7 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
 
 
 def _serve_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None, out: Path | None, started: float,
-               workers: WorkerProcesses) -> dict:
+               workers: WorkerProcesses, on_server: Callable[[CoordinatorServer], None] | None = None) -> dict:
     """:func:`run_flower_app`'s run on ``workers`` (each sent its slice once the coordinator listens)."""
     hosts = [f"host-{w}" for w in range(len(workers.procs))]
     certs = temporary_cert_dir(hosts) if cfg.tls else None
@@ -105,6 +107,8 @@ def _serve_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None, ou
                                if certs else None)
     interrupted = False
     try:
+        if on_server is not None:
+            on_server(server)
         server.start()
         slices = [PopulationSlice.of(host, np.arange(w, cfg.clients, len(hosts)), None,
                                      np.zeros(cfg.clients, np.float32)) for w, host in enumerate(hosts)]
