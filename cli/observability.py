@@ -115,13 +115,16 @@ class Observers:
 
     def _serve_exporter(self, exporter) -> None:
         """Serve ``exporter`` and keep it (only once it is served: a port it could not bind leaves none)."""
+        from fedpar.protocol.codec import grpc_target  # host:port, an IPv6 address in brackets as URLs want it
+
+        host = self.args.metrics_host
         try:
-            bound = exporter.serve(self.args.metrics_host, self.args.metrics_port)
+            bound = exporter.serve(host, self.args.metrics_port)
         except OSError as exc:
-            raise UserError(f"cannot serve metrics on {self.args.metrics_host}:{self.args.metrics_port}: "
+            raise UserError(f"cannot serve metrics on {grpc_target(host, self.args.metrics_port)}: "
                             f"{exc.strerror}; pick another --metrics-port (0 picks a free one)") from None
         self.exporter = exporter
-        print(f"Prometheus metrics at http://{self.args.metrics_host}:{bound}/metrics", file=sys.stderr, flush=True)
+        print(f"Prometheus metrics at http://{grpc_target(host, bound)}/metrics", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Stop the endpoint and flush the event file."""

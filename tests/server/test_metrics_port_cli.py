@@ -52,3 +52,22 @@ def test_aggregator_ranks_live_is_the_ranks_started_before_the_first_round(tmp_p
         assert proc.wait(60) == 130
     finally:
         stop_processes(proc)
+
+
+class _Unbound:
+    """An exporter that says which port it would serve on, binding nothing (tests bind 127.0.0.1 only)."""
+
+    def serve(self, host: str, port: int) -> int:
+        return 40123
+
+
+def test_the_endpoint_said_for_an_ipv6_metrics_host_is_a_url_that_opens(capsys):
+    # `--metrics-host ::1` printed http://::1:PORT/metrics, which curl and browsers cannot open (checked by hand on
+    # the real command: http://[::1]:PORT/metrics answers).
+    import argparse
+
+    from fedpar.cli.observability import Observers
+
+    observers = Observers(argparse.Namespace(metrics_host="::1", metrics_port=0, tensorboard=None))
+    observers._serve_exporter(_Unbound())
+    assert capsys.readouterr().err == "Prometheus metrics at http://[::1]:40123/metrics\n"
