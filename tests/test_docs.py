@@ -342,3 +342,11 @@ def test_the_readmes_set_up_commands_run_what_it_says():
     assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == "make test"
     one_shot = re.search(r"The one-shot form, one run and exit, is `fedpar (serve [^`]+)`", readme).group(1)
     _parses(shlex.split(one_shot))
+
+
+def test_the_api_pages_signatures_are_laid_out_a_parameter_a_line(api_page):
+    """mkdocstrings formats the signatures with black (the docs extra): AgentConfig's 19 parameters were one line of
+    610 characters."""
+    pytest.importorskip("black")
+    signature = api_page.split('id="client.links.AgentConfig"', 1)[1].split("doc-signature", 1)[1].split("</pre>")[0]
+    assert signature.count("\n") >= 19, signature
