@@ -35,10 +35,13 @@ def resumed(directory: str | Path, name: str, pattern: str) -> None:
 def prune(directory: str | Path, written: str, pattern: str, keep: int) -> list[str]:
     """After the checkpoint ``written`` is complete and named in ``directory/latest``: remove the ``pattern`` folders
     that are not among this run's newest ``keep`` (``keep`` <= 0: keep all); the names removed. One line on stdout
-    names those of an earlier run. The folder ``latest`` names is never removed."""
+    names those of an earlier run. The folder ``latest`` names is never removed, and what a stopped save left half
+    written (``pattern.partial``) always is."""
+    directory = Path(directory)
+    for stale in directory.glob(pattern + ".partial"):  # never named: the one just written is complete
+        shutil.rmtree(stale, ignore_errors=True)
     if keep <= 0:
         return []
-    directory = Path(directory)
     run = _RUNS.get(_key(directory), [])
     if run and run[-1] > written:  # a new run in this same process (steps of one run only grow)
         run = []

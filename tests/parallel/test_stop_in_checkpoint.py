@@ -147,3 +147,4 @@ def test_a_fresh_run_stopped_in_its_first_checkpoint_leaves_the_earlier_runs_che
     again = subprocess.run([*FEDPAR, *train, "--max-steps", "3"], cwd=tmp_path, capture_output=True, text=True,
                            timeout=240)
     assert again.returncode == 0 and "resumed from" in again.stdout + again.stderr, again.stderr
+    assert not list(step.parent.glob("*.partial"))  # what the stopped save left goes once a checkpoint is complete
