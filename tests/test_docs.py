@@ -350,3 +350,26 @@ def test_the_api_pages_signatures_are_laid_out_a_parameter_a_line(api_page):
     pytest.importorskip("black")
     signature = api_page.split('id="client.links.AgentConfig"', 1)[1].split("doc-signature", 1)[1].split("</pre>")[0]
     assert signature.count("\n") >= 19, signature
+
+
+def test_the_first_simulations_quoted_table_is_the_table_simulate_prints():
+    """first-simulation.md quotes simulate's round table: its lines are what the table prints for those rows (the
+    header, the widths, the number formats and the time left), so a changed column shows here."""
+    import io
+
+    from fedpar.cli.progress import RoundTable
+
+    quoted = next(body for _, body, tag, words in blocks(DOCS / "tutorials" / "first-simulation.md")
+                  if tag == "illustrative" and words.startswith("(output)") and body.startswith("round"))
+    header, *rows = quoted.rstrip("\n").splitlines()
+    printed = io.StringIO()
+    table = RoundTable(len(rows), stream=printed)
+    names = ("round", "status", "sampled", "reported", "late", "train_loss", "test_accuracy", "upload_bytes",
+             "round_seconds")
+    for row in rows:
+        cells = dict(zip(names, row.split()))
+        numbers = {name: value.replace(",", "") for name, value in cells.items()}
+        table.row({**{name: float(value) for name, value in numbers.items() if "." in value},
+                   **{name: int(value) for name, value in numbers.items() if value.isdigit()},
+                   "round": int(cells["round"].split("/")[0]), "status": cells["status"]})
+    assert [line.rstrip() for line in printed.getvalue().splitlines()] == [header, *(row.rstrip() for row in rows)]
