@@ -113,6 +113,11 @@ class Observers:
         self.exporter.follow(server, run_id)
         server.coordinator.on_round_end.append(self.exporter.observe)
 
+    def run_ended(self, run_id, status: str) -> None:
+        """Tell the service's endpoint that run ``run_id`` ended ``status`` (finished, failed or stopped)."""
+        if self.exporter is not None:
+            self.exporter.ended(run_id, status)
+
     def _serve_exporter(self, exporter) -> None:
         """Serve ``exporter`` and keep it (only once it is served: a port it could not bind leaves none)."""
         from fedpar.protocol.codec import grpc_target  # host:port, an IPv6 address in brackets as URLs want it

@@ -388,6 +388,7 @@ class RunService:
              outputs=None) -> RunEnd:
         self._say(run, f"run {run.id} ({run.name}) {status}" + (f": {reason}" if reason else ""))
         self.store.end(run.id, status, reason, model)  # after its last line: a follower that sees it ended has all
+        self.observers.run_ended(run.id, status)
         return RunEnd(status, said or reason, code, outputs)
 
     def linger(self, server) -> None:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 log = logging.getLogger("fedpar.server")
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
 UPLOAD_OUTCOMES = {"accepted": "reported", "rejected": "rejected", "late": "late"}  # label: row key
+RUN_STATES = ["running", "finished", "failed", "stopped"]  # a service's run: running, or how it ended
 
 
 class _AgentCounts:
@@ -62,6 +63,8 @@ class PrometheusExporter:
                                 "last round's close (fewer than started: ranks were lost)", run, registry=r)
         self.dp_epsilon = Gauge("fedpar_dp_epsilon", "differential privacy budget spent so far (epsilon at "
                                 "--privacy-delta)", run, registry=r) if privacy else None
+        self.run_state = Enum("fedpar_run_state", "the service's run: running, or how it ended (finished, failed, "
+                              "stopped)", run, states=RUN_STATES, registry=r) if runs else None
         self._agents = _AgentCounts(server)
         if not runs:
             self._present_at_zero()
@@ -102,12 +105,20 @@ class PrometheusExporter:
         self.run = str(run_id)
         self._present_at_zero()
         self._resumed(server)
+        if self.run_state is not None:
+            self._of(self.run_state).state("running")
+
+    def ended(self, run_id, status: str) -> None:
+        """Run ``run_id`` ended ``status`` (finished, failed or stopped): said while its series are kept, until the
+        next run starts (an endpoint without it read as a run still going)."""
+        if self.run_state is not None and self.run == str(run_id) and status in RUN_STATES:
+            self._of(self.run_state).state(status)
 
     def _drop_runs(self) -> None:
         """Remove every run-labelled series: a service's endpoint (and memory) would otherwise grow by some 40 series
         a run, for as long as the service lives; the last run's are kept until the next one starts."""
         for metric in (self.rounds, self.last_round, self.uploads, self.refusals, self.bytes, self.round_seconds,
-                       self.fold_seconds, self.ranks_live, self.dp_epsilon):
+                       self.fold_seconds, self.ranks_live, self.dp_epsilon, self.run_state):
             if metric is not None:
                 metric.clear()
 
