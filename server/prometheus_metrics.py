@@ -17,6 +17,17 @@ UPLOAD_OUTCOMES = {"accepted": "reported", "rejected": "rejected", "late": "late
 RUN_STATES = ["running", "finished", "failed", "stopped"]  # a service's run: running, or how it ended
 
 
+def _checkpointed_round(root) -> int:
+    """The round of the checkpoint under ``root`` that a coordinator not yet restored resumes after, read from its
+    pointer alone (a large model's restore takes a while); 0 for none, or one that cannot be read."""
+    from fedpar.server.checkpoint import CheckpointError, latest_round
+
+    try:
+        return latest_round(root) or 0
+    except CheckpointError:
+        return 0
+
+
 class _AgentCounts:
     """Collector of fedpar_agents{state="registered"|"live"}, counted on the coordinator's loop at each scrape."""
 
@@ -86,7 +97,7 @@ class PrometheusExporter:
         scrape says 0 until the next round ends, as if the run had started over), whether ``server`` is followed
         before its checkpoint is restored (a service's run, a simulation) or after (one-shot serve)."""
         coordinator, gauge = server.coordinator, self._of(self.last_round)
-        gauge.set(coordinator.round_id)
+        gauge.set(coordinator.round_id or _checkpointed_round(coordinator.config.checkpoint_dir))  # while it restores
         coordinator.on_restored.append(lambda: gauge.set(coordinator.round_id))
         # Until a round closes, the ranks it started with (0 read as every rank lost: an alert fired at each start).
         self._of(self.ranks_live).set(coordinator.ranks.world if coordinator.ranks is not None else 1)

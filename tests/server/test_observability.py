@@ -328,3 +328,35 @@ def test_prometheus_round_of_a_run_followed_before_its_checkpoint_is_restored_is
         exporter.close()
     assert server.coordinator.round_id == 3
     assert got[("fedpar_round", (("run", "2"),))] == 3
+
+
+def test_prometheus_round_while_a_checkpoint_is_restored_is_the_checkpoints(tmp_path):
+    # An endpoint served before the restore (simulate's, a service's run) said fedpar_round 0 for as long as the
+    # checkpoint took to load (a large model's: seconds), as if the run had started over, then jumped back.
+    from fedpar.aggregation import build_strategy
+    from fedpar.server.app import CoordinatorServer
+    from fedpar.server.checkpoint import Checkpoint, save_checkpoint
+    from fedpar.server.config import CoordinatorConfig
+    from fedpar.server.members import CohortSampler
+
+    state = {"sampler": CohortSampler(0).state(), "strategy": build_strategy("fedavg").state_dict()[1]}
+    save_checkpoint(tmp_path, Checkpoint(3, NAMES, _weights(7), {}, state))
+    HeldRestore, release, restoring = held_restore()
+    server = CoordinatorServer(HeldRestore(CoordinatorConfig(rounds=5, min_available=1, checkpoint_dir=tmp_path),
+                                           NAMES, _weights(), build_strategy("fedavg")))
+    exporter = PrometheusExporter(server)
+    port = exporter.serve("127.0.0.1", 0)
+    starting = threading.Thread(target=server.start)
+    starting.start()
+    try:
+        assert restoring.wait(30)
+        assert server.coordinator.round_id == 0  # not restored yet
+        assert _scrape(port)[("fedpar_round", ())] == 3
+        release.set()
+        starting.join(30)
+        assert server.coordinator.round_id == 3 and _scrape(port)[("fedpar_round", ())] == 3
+    finally:
+        release.set()
+        starting.join(30)
+        server.stop()
+        exporter.close()
