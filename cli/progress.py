@@ -260,3 +260,10 @@ class StepBar:
         if self._progress is not None:
             self._progress.stop()
             self._progress = self._task = None
+
+    def tidy_after_ranks(self) -> None:
+        """After the ranks that showed the bar were stopped by their launcher, which ends them before they can take
+        it down: on a terminal, the bar's line cleared and the cursor (hidden while the bar was up) shown again."""
+        if self.stream.isatty():
+            self.stream.write("\r\x1b[2K\x1b[?25h")
+            self.stream.flush()

@@ -321,8 +321,13 @@ def _spawn_ranks(spawn, world: int, fn, cfg, args: argparse.Namespace) -> None:
     from fedpar.parallel.rank_failure import ranks_said_in_one_line
     from fedpar.parallel.trainer import TrainingDiverged
 
-    with ranks_said_in_one_line(args.debug, passes=(TrainingDiverged,)):
-        spawn(world, fn, cfg, args.dist_timeout, StepBar(), parent_stops=True, start_method=rank_start_method())
+    bar = StepBar()
+    try:
+        with ranks_said_in_one_line(args.debug, passes=(TrainingDiverged,)):
+            spawn(world, fn, cfg, args.dist_timeout, bar, parent_stops=True, start_method=rank_start_method())
+    except BaseException:  # stopped or failed: rank 0 may have left its bar up, the cursor hidden
+        bar.tidy_after_ranks()
+        raise
 
 
 def _raise_if_reader_left(failure: Exception) -> None:

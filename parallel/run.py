@@ -37,6 +37,8 @@ def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float =
             torch.distributed.barrier()
         return summary
     finally:
+        if progress is not None:  # a stop or an error: the bar down (the cursor shown) before the line said of it
+            progress.close()
         shutdown_distributed()
 
 
