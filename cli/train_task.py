@@ -158,13 +158,22 @@ def _engine_epochs(engine, cfg: TrainConfig) -> EpochRun:
 def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun, val: Any,
             started: float) -> dict[str, Any]:
     """Rank 0: train epoch after epoch, evaluating after each, logging as the parallel trainer does; the summary."""
+    bar = StepBar("step" if cfg.max_steps else "epoch")
+    try:
+        return _epochs_shown(bar, task, cfg, model, run, val, started)
+    finally:
+        bar.close()  # a stop or an error too: the bar down and the cursor shown before the line said of it
+
+
+def _epochs_shown(bar: StepBar, task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun, val: Any,
+                  started: float) -> dict[str, Any]:
+    """:func:`_epochs`, its progress on ``bar``."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     eval_device = next(model.parameters()).device
     with task_code("test_data()"):
         test = task.test_data() if task.test_data is not None else None
     scored, prefix = (on_device(test, eval_device), "test_") if test is not None else (val, "val_")
-    bar = StepBar("step" if cfg.max_steps else "epoch")
     checkpoints = TaskCheckpoints(cfg, task)
     counters = checkpoints.resume(model, bar)
     steps, examples, epoch = int(counters["steps"]), int(counters["examples"]), int(counters["epoch"])
@@ -351,8 +360,12 @@ def spawn_task_ranks(world: int, rank_args: tuple, quiet: bool = True) -> None:
     from fedpar.parallel.init import rank_start_method, spawn
     from fedpar.parallel.rank_failure import ranks_said_in_one_line
 
-    with ranks_said_in_one_line(not quiet, passes=(TaskFailed, TaskError)):
-        spawn(world, train_task_rank, *rank_args, parent_stops=True, start_method=rank_start_method())
+    try:
+        with ranks_said_in_one_line(not quiet, passes=(TaskFailed, TaskError)):
+            spawn(world, train_task_rank, *rank_args, parent_stops=True, start_method=rank_start_method())
+    except BaseException:  # stopped or failed: rank 0 may have left its bar up, the cursor hidden
+        StepBar().tidy_after_ranks()
+        raise
 
 
 def write_task_model(task: Task, cfg: TrainConfig, model: torch.nn.Module, summary: dict[str, Any]) -> dict:

