@@ -78,6 +78,9 @@ def test_every_command_block_is_run_tested_or_illustrative(page):
             assert (ROOT / words.split()[0]).exists(), f"{page.relative_to(ROOT)}: no test {words}"
         if tag == "illustrative":
             assert words.startswith("("), f"{page.relative_to(ROOT)}: say why a block is illustrative:\n{body}"
+        for line in command_lines(body):  # make's .venv is not on PATH: a bare torchrun was 'command not found'
+            assert line.split()[0] not in ("torchrun", "python"), \
+                f"{page.relative_to(ROOT)}: name the venv's program (.venv/bin/{line.split()[0]}): {line}"
 
 
 def _parses(argv: list[str]) -> None:
