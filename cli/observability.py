@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -40,6 +41,17 @@ def check_metrics_endpoint(args: argparse.Namespace) -> None:
     if args.metrics_port is None and args.metrics_host != Observability.metrics_host:
         raise UserError("--metrics-host applies only with --metrics-port; add it (or drop the option)")
     check_port_free(args.metrics_host, args.metrics_port, "--metrics-port", host_option="--metrics-host")
+
+
+def metrics_port_kept(args: argparse.Namespace) -> int | None:
+    """--metrics-port for a process that may be started again (a run resumed after its coordinator died): 0 made a
+    port free on --metrics-host now, so that each start serves the one a scraper was pointed at."""
+    if args.metrics_port != 0:
+        return args.metrics_port
+    family = socket.AF_INET6 if ":" in args.metrics_host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.bind((args.metrics_host, 0))
+        return probe.getsockname()[1]
 
 
 def require_tensorboard() -> None:

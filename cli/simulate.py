@@ -20,7 +20,8 @@ from fedpar.cli.compression_options import add_compression_arguments, compressio
 from fedpar.cli.config import ignored_given
 from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
 from fedpar.cli.flower_app_refusals import flower_app_refusal
-from fedpar.cli.observability import Observers, add_observability_arguments, check_metrics_endpoint
+from fedpar.cli.observability import Observers, add_observability_arguments, check_metrics_endpoint, \
+    metrics_port_kept
 from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
 from fedpar.cli.renamed import add_retired
@@ -226,7 +227,8 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     from fedpar.cli.serve import plain_options
     from fedpar.parallel.init import LaunchStopped, rank_start_method, spawn
     from fedpar.parallel.stopping import exit_code, signal_name
-    options = {**plain_options(args), "coordinator_threads": torch.get_num_threads(), "launcher_pid": os.getpid()}
+    options = {**plain_options(args), "coordinator_threads": torch.get_num_threads(), "launcher_pid": os.getpid(),
+               "metrics_port": metrics_port_kept(args)}  # a child started again serves the same endpoint
     try:
         with stop_on_signals() as received, _stops_told(received):  # spawn's own block shares `received`
             spawn(1, simulate_here, options, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,

@@ -3,16 +3,18 @@ coordinator waits for its agents."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.processes import stop_processes
+from support.processes import started, stop_processes
 
 ENDPOINT = re.compile(r"Prometheus metrics at http://127\.0\.0\.1:(\d+)/metrics")
 
@@ -71,3 +73,25 @@ def test_the_endpoint_said_for_an_ipv6_metrics_host_is_a_url_that_opens(capsys):
     observers = Observers(argparse.Namespace(metrics_host="::1", metrics_port=0, tensorboard=None))
     observers._serve_exporter(_Unbound())
     assert capsys.readouterr().err == "Prometheus metrics at http://[::1]:40123/metrics\n"
+
+
+def test_metrics_port_0_is_the_same_port_after_the_coordinator_is_started_again(tmp_path):
+    # simulate --checkpoint-dir starts its coordinator's process again when it dies; with --metrics-port 0 each start
+    # took another free port, so a scraper pointed at the printed one lost the run after the restart.
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "fedpar", "simulate", "--clients", "4", "--rounds", "8",
+                             "--checkpoint-dir", str(tmp_path / "ck"), "--metrics-port", "0", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < end, proc.stderr.read() if proc.poll() else "too slow"
+            time.sleep(0.05)
+        (coordinator,) = started(proc.pid)
+        os.kill(coordinator, signal.SIGKILL)  # after round 2: started again, it resumes
+        _, said = proc.communicate(timeout=240)
+        assert proc.returncode == 0, said
+    finally:
+        stop_processes(proc)
+    ports = ENDPOINT.findall(said)
+    assert "starting every rank again" in said and len(ports) == 2 and ports[0] == ports[1], said
