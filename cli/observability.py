@@ -43,15 +43,19 @@ def check_metrics_endpoint(args: argparse.Namespace) -> None:
     check_port_free(args.metrics_host, args.metrics_port, "--metrics-port", host_option="--metrics-host")
 
 
-def metrics_port_kept(args: argparse.Namespace) -> int | None:
+def metrics_port_kept(args: argparse.Namespace, avoid: range | tuple = ()) -> int | None:
     """--metrics-port for a process that may be started again (a run resumed after its coordinator died): 0 made a
-    port free on --metrics-host now, so that each start serves the one a scraper was pointed at."""
+    port free on --metrics-host now, and not in ``avoid`` (the ports ranks will bind), so that each start serves the
+    one a scraper was pointed at."""
     if args.metrics_port != 0:
         return args.metrics_port
     family = socket.AF_INET6 if ":" in args.metrics_host else socket.AF_INET
-    with socket.socket(family) as probe:
-        probe.bind((args.metrics_host, 0))
-        return probe.getsockname()[1]
+    while True:
+        with socket.socket(family) as probe:
+            probe.bind((args.metrics_host, 0))
+            port = probe.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def require_tensorboard() -> None:

@@ -21,7 +21,8 @@ from fedpar.cli.config import chose
 from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
 from fedpar.cli.flower_app_refusals import flower_app_refusal
 from fedpar.cli.log_level import setup_logging
-from fedpar.cli.observability import add_observability_arguments, check_metrics_endpoint, check_tensorboard_folder
+from fedpar.cli.observability import add_observability_arguments, check_metrics_endpoint, check_tensorboard_folder, \
+    metrics_port_kept
 from fedpar.cli.privacy import add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.renamed import add_negated_key
 from fedpar.cli.serve_once import serve_once
@@ -270,8 +271,11 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
     # Forked ranks skip the interpreter's start and torch's import: most of a restart's time. Not forked from a run
     # service (--state): its launcher may have served gRPC already, which does not survive a fork.
     method = rank_start_method(may_fork=args.state is None)
+    # rank 0 started again serves the endpoint a scraper was pointed at (--metrics-port 0: one port for every start)
+    kept = {"metrics_port": metrics_port_kept(args, avoid=range(args.port, args.port + world) if args.port else ())}
     try:
-        spawn(world, serve_rank, {**plain_options(args), "launcher_warned": True, **(more or {})}, parent_stops=True,
+        spawn(world, serve_rank, {**plain_options(args), "launcher_warned": True, **kept, **(more or {})},
+              parent_stops=True,
               stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True,  # rank 0 goes on without a lost rank
               start_method=method,
               # and when it dies, every rank starts again where the agents find it: the same port

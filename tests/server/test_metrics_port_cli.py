@@ -14,14 +14,15 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from support.ports import free_port_run
 from support.processes import started, stop_processes
 
 ENDPOINT = re.compile(r"Prometheus metrics at http://127\.0\.0\.1:(\d+)/metrics")
 
 
 def _serve(tmp_path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", "0", "--metrics-port", "0",
-                             "--min-available", "2", "--out", str(tmp_path / "out"), *flags],
+    return subprocess.Popen([sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", "0", "--metrics-port",
+                             "0", "--min-available", "2", "--out", str(tmp_path / "out"), *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -95,3 +96,31 @@ def test_metrics_port_0_is_the_same_port_after_the_coordinator_is_started_again(
         stop_processes(proc)
     ports = ENDPOINT.findall(said)
     assert "starting every rank again" in said and len(ports) == 2 and ports[0] == ports[1], said
+
+
+def test_serve_ranks_started_again_serve_metrics_on_the_same_port(tmp_path):
+    # serve --aggregator-ranks with a checkpoint folder starts every rank again when rank 0 dies, on the same agents'
+    # port; with --metrics-port 0 rank 0 took another free metrics port each start.
+    proc = subprocess.Popen([sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", str(free_port_run(2)),
+                             "--aggregator-ranks", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--metrics-port",
+                             "0", "--min-available", "2", "--out", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    said: list[str] = []
+
+    def until_listening() -> None:
+        for line in proc.stdout:
+            said.append(line)
+            if "coordinator listening on" in line:
+                return
+        raise AssertionError("".join(said))
+
+    try:
+        until_listening()
+        os.kill(started(proc.pid)[0], signal.SIGKILL)  # rank 0
+        until_listening()  # every rank started again
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        stop_processes(proc)
+    ports = ENDPOINT.findall("".join(said))
+    assert len(ports) == 2 and ports[0] == ports[1], "".join(said)
