@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Protocol, TypeVar
 import grpc
 import numpy as np
 
+from fedpar.wording import counted
 from fedpar.client.backoff import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, Backoff, Uniform, sleep_unless
 from fedpar.client.host_stream import KeptStream
 from fedpar.client.host_uploads import HostUploads
@@ -695,8 +696,8 @@ class HostLink:
             else:
                 pulled.tasks.append((i, hosted.task))
         for why, members in skipped.items():
-            log.warning("%s: the coordinator handed out %d tasks %s (e.g. %s); skipped", self.host.agent_id,
-                        len(members), why, one_line(members[0], 64))
+            log.warning("%s: the coordinator handed out %s %s (e.g. %s); skipped", self.host.agent_id,
+                        counted(len(members), "task"), why, one_line(members[0], 64))
         pulled.tasks += [self._held.pop(member) for member in reply.go if member in self._held]
         return pulled
 

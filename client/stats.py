@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fedpar.wording import counted
+
 
 @dataclass
 class AgentStats:
@@ -20,6 +22,6 @@ class AgentStats:
     def summary(self) -> str:
         """What the agent did, in the words of its last line: updates, or a Flower App's Messages."""
         if not self.answered:
-            return f"{self.tasks} tasks, {self.accepted} updates accepted, {self.refused} refused"
+            return f"{counted(self.tasks, 'task')}, {counted(self.accepted, 'update')} accepted, {self.refused} refused"
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.answered.items()))
-        return f"{self.tasks} messages, {sum(self.answered.values())} answered ({kinds}), {self.refused} failed"
+        return f"{counted(self.tasks, 'message')}, {sum(self.answered.values())} answered ({kinds}), {self.refused} failed"

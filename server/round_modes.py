@@ -23,6 +23,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
+from fedpar.wording import counted
 from fedpar.aggregation.compressed_delta import apply_delta, unpack_delta
 from fedpar.aggregation.strategy import FoldItem
 from fedpar.protocol import fedpar_pb2 as pb
@@ -268,7 +269,7 @@ async def take_host_partial(plane, host_id: str, partial: pb.HostPartial) -> pb.
             for slot in checked.slots:
                 state.reject(slot, refused.message)
         raise
-    return pb.UploadReply(accepted=True, message=f"{len(checked.slots)} updates accepted for round {state.round_id}")
+    return pb.UploadReply(accepted=True, message=f"{counted(len(checked.slots), 'update')} accepted for round {state.round_id}")
 
 
 class RoundModes:

@@ -232,7 +232,7 @@ def test_a_server_given_as_a_url_is_refused_and_its_host_port_reaches_the_coordi
                                                  f"gRPC address has no {scheme}://; give HOST:PORT, e.g. {target} (TLS "
                                                  "is set by --certs); see 'fedpar client --help'"), done.stderr
         done = subprocess.run([*agent, "--server", target], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0 and "1 updates accepted" in done.stdout, done.stderr[-3000:]
+        assert done.returncode == 0 and "1 update accepted" in done.stdout, done.stderr[-3000:]
         assert serve.wait(timeout=60) == 0
     finally:
         if serve.poll() is None:

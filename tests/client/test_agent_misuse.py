@@ -106,7 +106,7 @@ def test_ctrl_c_mid_round_ends_the_agent_in_one_line_and_its_coordinator_loses_n
         assert first.wait(60) == 130
         said = (tmp_path / "agent.log").read_text()
         assert "Traceback" not in said and _said(said) == [
-            "fedpar client: interrupted after 1 tasks, 0 updates accepted, 0 refused"], said
+            "fedpar client: interrupted after 1 task, 0 updates accepted, 0 refused"], said
         with open(tmp_path / "again.log", "w") as err:
             again = _fedpar(*agent, cwd=tmp_path, err=err)
         assert serve.wait(300) == 0, serve_log.read_text()[-3000:]

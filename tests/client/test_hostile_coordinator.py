@@ -199,5 +199,5 @@ def test_an_update_refused_by_a_restarted_coordinator_is_not_counted_as_refused(
     assert code == 0 and len(coordinator.uploads) == 1, out
     assert "round 1's update was not used: the coordinator no longer knows this agent's session (it restarted); " \
            "joining again" in out, out
-    assert "upload refused" not in out and "1 updates accepted, 0 refused" not in out, out
+    assert "upload refused" not in out and "1 update accepted, 0 refused" not in out, out
     assert "0 updates accepted, 0 refused" in out, out

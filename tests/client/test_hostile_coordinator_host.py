@@ -60,7 +60,7 @@ def test_a_member_named_twice_or_handed_its_task_again_trains_it_once():
     assert sorted(coordinator.uploaded()) == run.members[:2]
     assert "handed out 2 tasks to members named twice, or again with a task they took (e.g. client-0000)" \
         in run.text, run.text
-    assert "handed out 1 tasks to members named twice, or again with a task they took" in run.text, run.text
+    assert "handed out 1 task to members named twice, or again with a task they took" in run.text, run.text
 
 
 @pytest.mark.parametrize("clock", [

@@ -41,7 +41,7 @@ def test_readme_deployed_form_runs_a_round_over_mutual_tls(tmp_path):
                 proc.kill()
     assert serve.returncode == 0, serve_out
     for client, out in zip(clients, outputs):
-        assert client.returncode == 0 and "1 updates accepted, 0 refused" in out, out
+        assert client.returncode == 0 and "1 update accepted, 0 refused" in out, out
         assert "data-plane" not in out, out  # no fallback to the gRPC streams was needed
     assert '"status": "ok"' in serve_out and '"reported": 2' in serve_out
     assert re.search(r"data plane listening on 127\.0\.0\.1:\d+ \(TLS\)", "".join(early)), early

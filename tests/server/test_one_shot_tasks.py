@@ -60,7 +60,7 @@ def test_one_shot_serve_refuses_an_agent_with_another_model_in_one_line_and_trai
     assert agents[0].returncode == 1 and "Traceback" not in a_err, a_out + a_err
     assert a_err.strip().splitlines()[-1] == f"fedpar client: a: coordinator refused: FAILED_PRECONDITION: {REFUSED}"
     assert "tasks," not in a_out, a_out  # no task reached it
-    assert agents[1].returncode == 0 and "b: 1 tasks, 1 updates accepted, 0 refused" in b_out, b_out + b_err
+    assert agents[1].returncode == 0 and "b: 1 task, 1 update accepted, 0 refused" in b_out, b_out + b_err
     assert serve.returncode == 0 and "Traceback" not in serve_err, served + serve_err
     assert [line for line in serve_err.splitlines() if "cannot take part" in line] == [f"fedpar serve: {REFUSED}"]
 

@@ -171,7 +171,7 @@ def test_own_task_served_to_a_client_agent_and_resumed_keeps_its_typed_options(t
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok", "ok"] and "test_accuracy" in rows[-1]
     # Restarted with one more round: it resumes from round 2, and its global.json keeps the options typed.
-    assert "1 updates accepted, 0 refused" in _serve_with_one_agent(task, 3, out, checkpoints, capsys)
+    assert "1 update accepted, 0 refused" in _serve_with_one_agent(task, 3, out, checkpoints, capsys)
     info = json.loads((out / "global.json").read_text())
     assert info["round"] == 3 and info["model"] == {"task": EXAMPLE, "task_options": {"csv": str(csv), "hidden": 8}}
 
