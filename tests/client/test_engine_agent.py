@@ -166,7 +166,7 @@ def test_ctrl_c_to_a_large_model_agent_stops_its_ranks_at_once(tmp_path):
         output = agent.communicate()[0]
         assert "Traceback" not in output, output[-3000:]
         said = [line for line in output.splitlines() if "interrupted" in line]
-        assert len(said) == 1 and re.fullmatch(r"fedpar client: interrupted after ([1-9]\d*) tasks, \d+ updates "
+        assert len(said) == 1 and re.fullmatch(r"fedpar client: interrupted after ([1-9]\d*) tasks?, \d+ updates? "
                                                r"accepted, \d+ refused", said[0]), output[-3000:]
     finally:
         if agent.poll() is None:
