@@ -115,6 +115,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
         raise UnsafeCheckpointError(f"{pointer} names {name!r}, not a step-NNNNNNNN folder beside it; "
                                     "delete the file to start afresh or write the folder name into it")
     target = Path(directory) / name
+    checkpoint_retention.restore_set_aside(target)
     if not (target / ".metadata").is_file():  # `latest` is written only once every rank wrote the checkpoint
         raise UnsafeCheckpointError(f"{pointer} names {name}, which holds no complete checkpoint (no {name}/.metadata)"
                                     f"; {_instead(target)}")

@@ -67,7 +67,8 @@ def put_in_place(staged: Path, target: Path, pointer: Path) -> None:
     (``latest``), a stop signal held until both are done. A folder already of that name (an earlier run's, which the
     ``latest`` a fresh run set aside may name, put back if this run is stopped) is replaced whole, never written
     into or removed before the new one is complete."""
-    old = target.with_name(target.name + ".old")
+    old = set_aside(target)
+    restore_set_aside(target)  # a swap a kill -9 cut short: the folder it set aside is the one to replace
     shutil.rmtree(old, ignore_errors=True)
     with held_stops():  # between the two renames no folder has the name: a stop there would leave `latest` dangling
         if target.exists():
@@ -75,3 +76,19 @@ def put_in_place(staged: Path, target: Path, pointer: Path) -> None:
         staged.rename(target)
         atomic_write_bytes(pointer, [(target.name + "\n").encode()])
     shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside(target: Path) -> Path:
+    """Where :func:`put_in_place` sets aside the folder named ``target`` while it renames the new one in."""
+    return target.with_name(target.name + ".old")
+
+
+def restore_set_aside(target: Path) -> None:
+    """Give the folder :func:`put_in_place` set aside its name ``target`` back, where a kill -9 (which no held stop
+    holds) came between the two renames: ``latest`` may name ``target``, and the set-aside folder is what it named."""
+    old = set_aside(target)
+    if not target.exists() and old.is_dir():
+        try:
+            old.rename(target)
+        except FileNotFoundError:  # another rank of the run gave it back first
+            pass

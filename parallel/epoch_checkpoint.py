@@ -71,6 +71,8 @@ def latest_epoch_checkpoint(directory: Path, afresh: str) -> Path | None:
     if _STEP_NAME.fullmatch(name):
         raise EpochCheckpointError(f"{pointer} names {name}, a checkpoint of `fedpar train` without --task (its zoo "
                                    f"trainer's), not of a task's epochs; {afresh}")
+    if _EPOCH_NAME.fullmatch(name):
+        checkpoint_retention.restore_set_aside(target)
     if not _EPOCH_NAME.fullmatch(name) or not (target / MODEL_FILE).is_file() or not (target / STATE_FILE).is_file():
         raise EpochCheckpointError(f"{pointer} names {name!r}, which holds no complete checkpoint ({MODEL_FILE} and "
                                    f"{STATE_FILE}); {instead(Path(directory), name, afresh)}")
