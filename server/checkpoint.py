@@ -212,8 +212,10 @@ def has_checkpoint(root: Path | None) -> bool:
     return root is not None and (Path(root) / LATEST).exists()
 
 
-def load_checkpoint(root: Path) -> Checkpoint | None:
-    """The latest checkpoint under ``root``, or None if there is none; raises CheckpointError if it is damaged."""
+def load_checkpoint_model(root: Path) -> tuple[int, list[str], list[np.ndarray], Path] | None:
+    """The global model of the latest checkpoint under ``root`` (its round, names, arrays and round folder), or None if
+    there is none; raises CheckpointError if it is damaged. The rest of the checkpoint (the strategy's and the
+    coordinator's state, which only a resume needs) is not read."""
     root = Path(root)
     name = _read_pointer(root)
     if name is None:
@@ -230,20 +232,37 @@ def load_checkpoint(root: Path) -> Checkpoint | None:
     round_id = int(match.group(1))
     try:
         names, arrays, meta = load_tensors(directory / "global.safetensors")
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint file {exc.filename} is missing", _older_hint(root, round_id)) from None
+    except CodecError as exc:  # the message starts with the file's path
+        raise CheckpointError(f"damaged checkpoint: {exc}", _older_hint(root, round_id)) from None
+    if meta.get("round") != str(round_id):
+        raise CheckpointError(f"{directory}: global.safetensors says round {meta.get('round')!r}, but the directory "
+                              f"is for round {round_id}", _older_hint(root, round_id))
+    for tensor_name, array in zip(names, arrays):
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise CheckpointError(f"{directory / 'global.safetensors'}: tensor {tensor_name!r} holds NaN or Inf",
+                                  _older_hint(root, round_id))
+    return round_id, names, arrays, directory
+
+
+def load_checkpoint(root: Path) -> Checkpoint | None:
+    """The latest checkpoint under ``root``, or None if there is none; raises CheckpointError if it is damaged."""
+    root = Path(root)
+    model = load_checkpoint_model(root)
+    if model is None:
+        return None
+    round_id, names, arrays, directory = model
+    try:
         skeys, sarrays, _ = load_tensors(directory / "strategy.safetensors")
     except FileNotFoundError as exc:
         raise CheckpointError(f"checkpoint file {exc.filename} is missing", _older_hint(root, round_id)) from None
     except CodecError as exc:  # the message starts with the file's path
         raise CheckpointError(f"damaged checkpoint: {exc}", _older_hint(root, round_id)) from None
     state = _load_state(directory / "state.json", root, round_id)
-    if state.get("round") != round_id or meta.get("round") != str(round_id):
-        raise CheckpointError(f"{directory}: state.json says round {state.get('round')!r} and global.safetensors "
-                              f"round {meta.get('round')!r}, but the directory is for round {round_id}",
-                              _older_hint(root, round_id))
-    for tensor_name, array in zip(names, arrays):
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
-            raise CheckpointError(f"{directory / 'global.safetensors'}: tensor {tensor_name!r} holds NaN or Inf",
-                                  _older_hint(root, round_id))
+    if state.get("round") != round_id:
+        raise CheckpointError(f"{directory}: state.json says round {state.get('round')!r}, but the directory is for "
+                              f"round {round_id}", _older_hint(root, round_id))
     shapes = {"sampler": (dict,), "strategy": (dict,), "agents": (list,), "example_caps": (dict,),
               "metrics_row": (dict, type(None)), "metrics_summary": (dict,), "metrics_path": (str, type(None))}
     for entry, types in shapes.items():

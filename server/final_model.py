@@ -13,7 +13,7 @@ import numpy as np
 
 from fedpar.protocol.model_file import TENSORS, write_final_model
 from fedpar.protocol.tensorfile import load_tensors
-from fedpar.server.checkpoint import LATEST, load_checkpoint
+from fedpar.server.checkpoint import LATEST, load_checkpoint_model
 
 
 def write_coordinator_model(out: Path, coordinator, model: dict, interrupted: bool = False) -> bool:
@@ -62,8 +62,8 @@ def read_final_model(source: Path) -> KeptModel:
         if (source / TENSORS).is_file():
             source = source / TENSORS
         elif (source / LATEST).is_file():
-            ckpt = load_checkpoint(source)
-            return KeptModel(ckpt.names, ckpt.arrays, ckpt.directory, ckpt.round_id)
+            round_id, names, arrays, directory = load_checkpoint_model(source)  # the rest is a resume's
+            return KeptModel(names, arrays, directory, round_id)
         else:
             raise ValueError(_not_a_model_folder(source))
     names, arrays, meta = load_tensors(source)
