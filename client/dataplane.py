@@ -20,8 +20,9 @@ from google.protobuf.message import DecodeError
 from fedpar.client.transfer import finite_weights, matching_layout, upload_header
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, as_wire_array
-from fedpar.protocol.dataplane import (OP_DOWNLOAD, OP_UPLOAD, DataPlaneError, DataPlaneRefused,
-                                       Deadline, encode_frame, encode_preamble, read_status, recv_exact_into,
+from fedpar.security.handshake import split_address
+from fedpar.protocol.dataplane import (MAX_MESSAGE_BYTES, OP_DOWNLOAD, OP_UPLOAD, TICKET_BYTES, DataPlaneError,
+                                       DataPlaneRefused, Deadline, encode_frame, encode_preamble, read_status, recv_exact_into,
                                        send_all, send_views)
 
 __all__ = ["DataPlaneError", "DataPlaneRefused", "DataPlaneTarget", "download", "upload", "refusal_text"]
@@ -57,6 +58,26 @@ class DataPlaneTarget:
             sock.close()
             raise DataPlaneError(f"data-plane connection failed: {exc}") from None
         return sock
+
+
+def answers_as_data_plane(server: str, timeout: float) -> str | None:
+    """What to change when ``server`` (an agent's --server, HOST:PORT) is a coordinator's data-plane port, which
+    speaks no gRPC: it refuses a preamble with a ticket it never issued in its own status frame (a gRPC port, a web
+    server, a closed port answer otherwise). None when it is not one, or nothing answers."""
+    target = split_address(server.split("///", 1)[-1])
+    if target is None:
+        return None
+    deadline = Deadline(timeout)
+    try:
+        with socket.create_connection(target, timeout=timeout) as sock:
+            send_all(sock, encode_preamble(OP_DOWNLOAD, bytes(TICKET_BYTES)), deadline)
+            read_status(sock, deadline, MAX_MESSAGE_BYTES)
+    except DataPlaneRefused:
+        return (f"{server} is a coordinator's data-plane port (the one its tasks offer for the weights), not its "
+                "agents' port; give --server the coordinator's --port")
+    except (OSError, ValueError, DataPlaneError):
+        return None
+    return None
 
 
 def grpc_host(server: str) -> str:

@@ -33,6 +33,7 @@ import numpy as np
 
 from fedpar.wording import counted
 from fedpar.client.backoff import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, Backoff, Uniform, sleep_unless
+from fedpar.client.dataplane import answers_as_data_plane
 from fedpar.client.host_stream import KeptStream
 from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import SendSmall, ingest_address, upload_small
@@ -339,10 +340,11 @@ class Connection:
     def why_unreachable(self) -> str | None:
         """Why the coordinator is unreachable (gRPC says only UNAVAILABLE): a TLS setting that differs from ours is
         returned, to be said in each retry line (its operator may restart it with ours); a host name that cannot be
-        looked up, a web server's port, a wrong CA, a name mismatch or a refused certificate, which retrying does not
+        looked up, a web server's port or a data-plane port, a wrong CA, a name mismatch or a refused certificate, which retrying does not
         cure, is a FatalAgentError."""
         # a web server answers at once: a host that drops packets holds each retry 1 s more, not 3
-        unknown = unknown_host(self.config.server, "--server") or answers_http1(self.config.server, 1.0)
+        unknown = unknown_host(self.config.server, "--server") or answers_http1(self.config.server, 1.0) or \
+            answers_as_data_plane(self.config.server, 1.0)
         if unknown is not None:
             raise FatalAgentError(f"{self.config.agent_id}: {unknown}")
         mismatch = tls_mismatch(self.config.server, self.config.credentials is None)
