@@ -109,7 +109,30 @@ def _run(args: argparse.Namespace) -> int:
     if args.tensorboard:  # a missing package, or a folder that cannot be made, is said before any rank starts
         check_tensorboard_folder(args.tensorboard)
     with _out_held(args.out) as held:
-        return _train(args, world, held)
+        try:
+            return _train(args, world, held)
+        except KeyboardInterrupt as exc:  # a stop once training began is said where it began (_launch, _launch_task)
+            return _stopped_starting(args, exc)
+
+
+def _stopped_starting(args: argparse.Namespace, exc: KeyboardInterrupt) -> int:
+    """Say that the run was stopped in its start-up (settings, data, task, checkpoint checks), before any step, and
+    what the same command will do; its exit code (128 + the signal)."""
+    from fedpar.parallel.stopping import exit_code, signal_name
+
+    if not int(os.environ.get("RANK", "0")):
+        pointer = Path(args.out) / "checkpoints" / "latest"
+        try:
+            kept = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
+        except OSError:
+            kept = ""
+        again = "the same command starts it again"
+        if kept:
+            again = (f"the same command resumes from its checkpoint {kept}" if args.resume else
+                     f"the same command starts it afresh (without --no-resume it resumes from its checkpoint {kept})")
+        print(f"fedpar train: interrupted while starting, before any step; wrote nothing to {args.out}; {again}",
+              file=sys.stderr)
+    return exit_code(signal_name(exc))
 
 
 def _world(args: argparse.Namespace) -> int:
