@@ -86,6 +86,14 @@ def tensorboard_writer(log_dir: str | None, step_key: str = "round"):
     return TensorBoardScalars(log_dir, step_key)
 
 
+def tensorboard_resumes(events, coordinator) -> None:
+    """Once ``coordinator`` restored its checkpoint (if any), ``events`` (a TensorBoardScalars) gets the metrics row of
+    the round it goes on after: repaired by the resume where the run died before writing it, and the round's one point
+    (TensorBoardScalars.resume)."""
+    coordinator.on_restored.append(
+        lambda: events.resume(coordinator.metrics.last if coordinator.round_id else None))
+
+
 class Observers:
     """What watches a running coordinator: the Prometheus endpoint and the TensorBoard writer."""
 
@@ -99,7 +107,10 @@ class Observers:
         return [self.tensorboard.write] if self.tensorboard else []
 
     def attach(self, server) -> None:
-        """Start the Prometheus endpoint for ``server`` (a CoordinatorServer) when --metrics-port is set."""
+        """Start the Prometheus endpoint for ``server`` (a CoordinatorServer) when --metrics-port is set; TensorBoard
+        gets the round a resumed coordinator goes on after (:func:`tensorboard_resumes`)."""
+        if self.tensorboard is not None:
+            tensorboard_resumes(self.tensorboard, server.coordinator)
         if self.args.metrics_port is None:
             return
         from fedpar.server.prometheus_metrics import PrometheusExporter

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fedpar.cli.observability import Observers, check_metrics_endpoint, check_tensorboard_folder, tensorboard_writer
+from fedpar.cli.observability import Observers, check_metrics_endpoint, check_tensorboard_folder, \
+    tensorboard_resumes, tensorboard_writer
 from fedpar.cli.run_settings import RUN_KEYS, effective_settings, run_args, run_settings
 from fedpar.cli.task_options import task_label
 from fedpar.cli.user_errors import UserError, check_port_free, check_rank_ports, describe, every_round_failed
@@ -321,6 +322,8 @@ class RunService:
             if events is not None:
                 events.close()
             return self._end(run, "failed", f"cannot start: {describe(exc)}", said=describe(exc), code=2)
+        if events is not None:
+            tensorboard_resumes(events, server.coordinator)
         server.coordinator.keeps_members = self.keeps_members
         self._current, self._wait = (run, task), None
         if self.samples_by_task:

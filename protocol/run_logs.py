@@ -430,6 +430,19 @@ class TensorBoardScalars:
         self.step_key = step_key
         self.prefix = prefix
 
+    def resume(self, row: dict | None) -> None:
+        """A run resumed after the round of ``row`` (its metrics row, which a resume may have repaired; None: a run
+        that starts afresh): the events an interrupted run wrote from that round on are dropped (as purge_step drops
+        them) and the row is written again, so the round has its one point, also where the interrupted run died
+        before writing it."""
+        if row is None:
+            return
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        step = int(row.get(self.step_key, 0))
+        self.writer.file_writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+        self.write(row)
+
     def write(self, row: dict) -> None:
         """One row's finite numbers (booleans and text are skipped), flushed so a running TensorBoard sees them."""
         step = int(row.get(self.step_key, 0))
