@@ -5,16 +5,13 @@ their rounds' checkpoints went in beside the trainer's (QA: `round-000001`, `LAT
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from support.in_process import main_here
+from support.in_process import main_here, run_main
 from support.own_task import EXAMPLE, write_table
 
-ROOT = Path(__file__).resolve().parents[2]
 OWN = "give --checkpoint-dir a folder of its own (a new one starts the run over)"
 COMMANDS = {
     "serve": ["serve", "--insecure", "--port", "0", "--rounds", "1", "--no-central-eval"],
@@ -24,8 +21,7 @@ COMMANDS = {
 
 def _train(out: Path, *how: str) -> Path:
     """A real `fedpar train` run into ``out`` that keeps a checkpoint; its checkpoint folder."""
-    done = subprocess.run([sys.executable, "-m", "fedpar", "train", "--device", "cpu", "--no-plot", "--out", str(out),
-                           *how], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = main_here("train", "--device", "cpu", "--no-plot", "--out", str(out), *how)
     assert done.returncode == 0, done.stderr
     return out / "checkpoints"
 
@@ -44,12 +40,6 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     return {"steps": steps, "epochs": epochs}
 
 
-def _fedpar(*argv: str) -> subprocess.CompletedProcess:
-    """`fedpar ARGV` in a process of its own, with a time limit: a serve that took the folder would wait for agents."""
-    return subprocess.run([sys.executable, "-m", "fedpar", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-
-
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.rglob("*")}
 
@@ -57,11 +47,12 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 @pytest.mark.parametrize("kind, name", [("steps", "step-00000010"), ("epochs", "epoch-000001")])
 def test_a_folder_of_fedpar_train_checkpoints_is_refused_before_anything_is_made(trained, tmp_path, command, kind,
-                                                                                 name):
+                                                                                 name, capfd):
     folder = trained[kind]
     before = _snapshot(folder.parent)
     out = tmp_path / "out"
-    done = _fedpar(*COMMANDS[command], "--checkpoint-dir", str(folder), "--out", str(out))
+    # In this process (a serve that took the folder would wait for agents: pytest's timeout ends it)
+    done = run_main([*COMMANDS[command], "--checkpoint-dir", str(folder), "--out", str(out)], capfd)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "Traceback" not in done.stderr and done.stderr.splitlines() == [
         f"fedpar {command}: --checkpoint-dir {folder} holds checkpoints of `fedpar train` (centralized training: "
@@ -71,10 +62,10 @@ def test_a_folder_of_fedpar_train_checkpoints_is_refused_before_anything_is_made
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_the_out_folder_of_a_fedpar_train_run_is_refused_too(trained, tmp_path, command):
+def test_the_out_folder_of_a_fedpar_train_run_is_refused_too(trained, tmp_path, command, capfd):
     folder = trained["steps"].parent
     before = _snapshot(folder)
-    done = _fedpar(*COMMANDS[command], "--checkpoint-dir", str(folder), "--out", str(tmp_path / "out"))
+    done = run_main([*COMMANDS[command], "--checkpoint-dir", str(folder), "--out", str(tmp_path / "out")], capfd)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stderr.splitlines() == [
         f"fedpar {command}: --checkpoint-dir {folder} is the --out folder of a `fedpar train` run (its checkpoints "
