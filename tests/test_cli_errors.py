@@ -254,15 +254,15 @@ def test_a_tensorboard_or_run_get_folder_that_is_a_file_is_named_with_what_to_do
 
 @pytest.mark.parametrize("where, said", [("/proc/x", "cannot make the folder"),
                                          ("/proc", "cannot write in the folder")])
-def test_a_tensorboard_folder_that_cannot_be_made_is_one_line_and_exit_2_on_every_command(where, said, tmp_path):
+def test_a_tensorboard_folder_that_cannot_be_made_is_one_line_and_exit_2_on_every_command(where, said, tmp_path,
+                                                                                           capfd):
     """QA: simulate and train exited 1 (the error of the event writer, unnamed), serve 2 without naming the option,
     after it had made its --out."""
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'fedpar[tensorboard]')")
     commands = [["serve", "--insecure", "--port", "0", "--rounds", "1"],
                 ["simulate", "--clients", "2", "--rounds", "1"], ["train", "--epochs", "1"]]
-    for command in commands:
-        done = subprocess.run([*FEDPAR, *command, "--out", str(tmp_path / "out"), "--tensorboard", where],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    for command in commands:  # each command's main in this process: the refusal comes before anything starts
+        done = run_main([*command, "--out", str(tmp_path / "out"), "--tensorboard", where], capfd, tmp_path)
         lines = [line for line in done.stderr.splitlines() if " fedpar.security " not in line]  # --insecure's
         assert (done.returncode, len(lines)) == (2, 1), done.stderr
         assert lines[0].startswith(f"fedpar {command[0]}: --tensorboard {where}: {said}: "), lines
@@ -481,11 +481,11 @@ def test_ctrl_c_stops_train_within_two_seconds_with_exit_130_and_a_summary(tmp_p
     (["simulate", "--clients", "2", "--rounds", "1", "--workers", "1"], "global.safetensors"),
     (["simulate", "--clients", "2", "--rounds", "1", "--workers", "1"], "accuracy.png"),
     (["serve", "--host", "127.0.0.1", "--port", "0", "--insecure", "--rounds", "1"], "summary.json")])
-def test_a_folder_where_a_run_writes_a_file_is_refused_before_it_trains(command, name, tmp_path):
+def test_a_folder_where_a_run_writes_a_file_is_refused_before_it_trains(command, name, tmp_path, capfd):
     """It was said only once every round or step had run, exit 1: the run's training was lost."""
     out = tmp_path / "run"
     (out / name).mkdir(parents=True)
-    rc, _, err = _finish(_start([*command, "--out", "run"], tmp_path), timeout=60)
+    rc, _, err = astuple_of(run_main([*command, "--out", "run"], capfd, tmp_path))  # refused before it starts
     assert (rc, err.splitlines()) == (2, [f"fedpar {command[0]}: --out run: run/{name}, a file the run writes, is a "
                                           "folder; move it away, or give another --out"]), err
     assert sorted(p.name for p in out.iterdir()) == [name]  # nothing trained, logged or set aside
@@ -516,11 +516,12 @@ def task():
 """
 
 
-def test_an_output_that_cannot_be_written_is_named_in_one_line_and_the_model_is_kept(tmp_path):
+def test_an_output_that_cannot_be_written_is_named_in_one_line_and_the_model_is_kept(tmp_path, capfd):
     out = tmp_path / "run"  # a folder in the way at the start is refused then (the test above): this one comes later
     (tmp_path / "late.py").write_text(LATE_FOLDER_TASK)
-    rc, stdout, err = _finish(_start(["simulate", "--task", "late.py:task", "--clients", "2", "--rounds", "1",
-                                      "--workers", "1", "--local-epochs", "1", "--out", "run", "--quiet"], tmp_path))
+    rc, stdout, err = astuple_of(run_main(["simulate", "--task", "late.py:task", "--clients", "2", "--rounds", "1",
+                                           "--workers", "1", "--local-epochs", "1", "--out", "run", "--quiet"], capfd,
+                                          tmp_path))
     assert rc == 1, err
     line = _one_line(err, "fedpar simulate: ")
     assert f"accuracy.png in folder {out}; a folder is in the way: move it or pick another path" in line
