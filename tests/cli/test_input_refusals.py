@@ -6,7 +6,6 @@ tracebacks), a --num-partitions the data cannot give (named the zoo's task), a m
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -30,12 +29,13 @@ def _one_line(err: str, expected: str) -> str:
 
 @pytest.mark.parametrize("name, size", [("synthetic:1:1:100000000000:5", "100,000,000,000 clients of about 5"),
                                         ("synthetic:iid:10:1e12", "10 clients of about 1e+12")])
-def test_a_synthetic_dataset_too_big_for_the_memory_is_refused_before_any_worker_starts(tmp_path, name, size):
+def test_a_synthetic_dataset_too_big_for_the_memory_is_refused_before_any_worker_starts(tmp_path, name, size,
+                                                                                         capfd):
     """Each worker process loaded the federation and died with a MemoryError traceback, as did the coordinator."""
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--dataset", name, "--clients", "2",
-                           "--rounds", "1", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # its main in this process: what its workers would print reaches the same stderr (capfd)
+    done = run_main(["simulate", "--dataset", name, "--clients", "2", "--rounds", "1", "--out", str(out)], capfd,
+                    tmp_path)
     assert done.returncode == 2, done.stderr
     line = _one_line(done.stderr, "GiB of memory")
     assert line.startswith(f"fedpar simulate: --dataset {name.replace('1e12', '1e+12')} ({size} examples in 3 "
@@ -211,7 +211,7 @@ def test_top_level_keys_of_a_file_without_the_commands_table_still_apply(tmp_pat
 
 
 @pytest.mark.parametrize("scheme", ["http", "https", "grpc"])
-def test_a_server_given_as_a_url_is_refused_and_its_host_port_reaches_the_coordinator(tmp_path, scheme):
+def test_a_server_given_as_a_url_is_refused_and_its_host_port_reaches_the_coordinator(tmp_path, scheme, capfd):
     """'--server http://127.0.0.1:PORT' was taken as a gRPC target whose host never resolves: the agent retried for
     ever, 'coordinator unreachable (UNAVAILABLE)', beside a coordinator that was listening (QA, first deployment)."""
     port_file = tmp_path / "port"
@@ -224,14 +224,13 @@ def test_a_server_given_as_a_url_is_refused_and_its_host_port_reaches_the_coordi
                 break
             time.sleep(0.05)
         target = f"127.0.0.1:{port_file.read_text().strip()}"
-        agent = [sys.executable, "-m", "fedpar", "client", "--insecure", "--agent-id", "a", "--give-up-after", "20"]
-        done = subprocess.run([*agent, "--server", f"{scheme}://{target}/"], capture_output=True, text=True,
-                              timeout=60)
+        agent = ["client", "--insecure", "--agent-id", "a", "--give-up-after", "20"]  # its main in this process
+        done = run_main([*agent, "--server", f"{scheme}://{target}/"], capfd)
         line = _one_line(done.stderr, "a gRPC address has no")
         assert done.returncode == 2 and line == (f"fedpar client: error: argument --server: '{scheme}://{target}/': a "
                                                  f"gRPC address has no {scheme}://; give HOST:PORT, e.g. {target} (TLS "
                                                  "is set by --certs); see 'fedpar client --help'"), done.stderr
-        done = subprocess.run([*agent, "--server", target], capture_output=True, text=True, timeout=120)
+        done = run_main([*agent, "--server", target], capfd)
         assert done.returncode == 0 and "1 update accepted" in done.stdout, done.stderr[-3000:]
         assert serve.wait(timeout=60) == 0
     finally:
@@ -247,10 +246,9 @@ def test_a_server_given_as_a_url_is_refused_and_its_host_port_reaches_the_coordi
     (["--port", "50051"], "(did you mean --server?)"),
     (["--serverr", "127.0.0.1:1"], "(did you mean --server?)"),
 ])
-def test_a_coordinators_flag_given_to_an_agent_is_said_as_the_coordinators(given, said):
+def test_a_coordinators_flag_given_to_an_agent_is_said_as_the_coordinators(given, said, capfd):
     """`fedpar client --compression topk` said 'did you mean --precision?' (QA, the compression guide: the
     coordinator puts the method in every task), and --port or --lr nothing at all."""
-    done = subprocess.run([sys.executable, "-m", "fedpar", *CLIENT, *given], capture_output=True, text=True,
-                          timeout=60)
+    done = run_main([*CLIENT, *given], capfd)  # argparse's refusal, in this process
     line = _one_line(done.stderr, "unrecognized arguments")
     assert done.returncode == 2 and said in line and "--precision" not in line, line
