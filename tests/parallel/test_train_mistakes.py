@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedpar.cli.main import main
+from support.in_process import run_main
 
 pytestmark = pytest.mark.timeout(300)
 LAUNCHED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
@@ -93,7 +94,7 @@ def _left_behind(pid: int, wait: float = 5.0) -> list[int]:
         time.sleep(0.1)
 
 
-def test_ctrl_c_stops_both_ranks_with_one_line_130_and_the_run_resumes(tmp_path):
+def test_ctrl_c_stops_both_ranks_with_one_line_130_and_the_run_resumes(tmp_path, monkeypatch, capfd):
     out = tmp_path / "run"
     proc = _launch(out, "--epochs", "500", stdout=subprocess.DEVNULL)
     try:
@@ -114,10 +115,12 @@ def test_ctrl_c_stops_both_ranks_with_one_line_130_and_the_run_resumes(tmp_path)
     assert lines[0].startswith("fedpar train: interrupted after ") and \
         lines[0].endswith(f"/summary.json; the same command resumes from its checkpoint {latest}"), lines
     step = int(latest.split("-")[1])
-    done = _launch(out, "--max-steps", str(step + 2), stdout=subprocess.PIPE)  # the same run, 2 steps more
-    printed, err = done.communicate(timeout=240)
-    assert done.returncode == 0, err[-3000:]
-    assert f"at step {step}" in printed and json.loads((out / "summary.json").read_text())["steps"] == step + 2
+    for name in LAUNCHED:
+        monkeypatch.delenv(name, raising=False)
+    # the same run, 2 steps more: its main in this process (its two ranks are processes all the same)
+    done = run_main(_train(out, "--nproc", "2", "--log-every", "1", "--max-steps", str(step + 2)), capfd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"at step {step}" in done.stdout and json.loads((out / "summary.json").read_text())["steps"] == step + 2
 
 
 def test_a_reader_that_leaves_the_pipe_ends_two_ranks_quietly_with_141(tmp_path):
@@ -135,12 +138,13 @@ def test_a_reader_that_leaves_the_pipe_ends_two_ranks_quietly_with_141(tmp_path)
 
 
 @pytest.mark.parametrize("degrees, ranks", [(["--fsdp", "2"], 2), (["--nproc", "3", "--tp", "2"], 2)])
-def test_degrees_the_ranks_do_not_divide_say_how_many_ranks_to_ask_for(tmp_path, degrees, ranks):
+def test_degrees_the_ranks_do_not_divide_say_how_many_ranks_to_ask_for(tmp_path, degrees, ranks, monkeypatch,
+                                                                        capfd):
     """It said only 'choose degrees whose product divides 1' (QA, following the centralized-training guide without
     --nproc): the way out is asking for more ranks."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHED}
-    done = subprocess.run([sys.executable, "-m", "fedpar", *_train(tmp_path / "run", *degrees)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    for name in LAUNCHED:
+        monkeypatch.delenv(name, raising=False)
+    done = run_main(_train(tmp_path / "run", *degrees), capfd)  # its main in this process: refused before any rank
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert f"ask for a multiple of {ranks} ranks (e.g. --nproc {ranks}, or torchrun's world size)" in lines[0], lines
