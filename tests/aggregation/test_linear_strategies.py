@@ -108,23 +108,19 @@ def test_the_secure_aggregation_refusal_of_a_strategy_lists_the_linear_ones(stra
 
 
 @pytest.mark.parametrize("strategy", ["median", "flower:FedMedian"])
-def test_the_privacy_refusal_of_a_strategy_lists_the_linear_ones_and_the_first_runs(strategy, tmp_path):
+def test_the_privacy_refusal_of_a_strategy_lists_the_linear_ones_and_the_first_runs(strategy, tmp_path, capfd):
     """Following the differential-privacy guide with --strategy median said only why it cannot run (QA): the line
     now names the strategies that can, as the secure-aggregation refusal does, and the first of them runs."""
-    import subprocess
-    import sys
+    from support.in_process import run_main
 
     if strategy.startswith("flower:"):
         pytest.importorskip("flwr")
-    argv = [sys.executable, "-m", "fedpar", "simulate", "--clients", "4", "--rounds", "1", "--privacy", "central",
-            "--quiet"]
-    done = subprocess.run([*argv, "--strategy", strategy, "--out", str(tmp_path / "refused")], capture_output=True,
-                          text=True, timeout=120)
+    argv = ["simulate", "--clients", "4", "--rounds", "1", "--privacy", "central", "--quiet"]
+    done = run_main([*argv, "--strategy", strategy, "--out", str(tmp_path / "refused")], capfd)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert lines[0].startswith(f"fedpar simulate: --privacy cannot run with --strategy {strategy}: DP-FedAvg ")
     assert f"; use a linear strategy: {', '.join(linear_strategy_names())}" in lines[0]
     first = linear_strategy_names()[0]
-    ran = subprocess.run([*argv, "--strategy", first, "--out", str(tmp_path / "ran")], capture_output=True, text=True,
-                         timeout=120)
+    ran = run_main([*argv, "--strategy", first, "--out", str(tmp_path / "ran")], capfd)
     assert ran.returncode == 0 and (tmp_path / "ran" / "global.safetensors").exists(), ran.stderr[-3000:]
