@@ -5,24 +5,39 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import signal
 import subprocess
 import sys
 
 import pytest
 
-SIMULATE = [sys.executable, "-m", "fedpar", "simulate", "--clients", "4", "--local-epochs", "1", "--out", "O"]
+from support.in_process import logging_as_a_fresh_process
+
+ARGS = ["simulate", "--clients", "4", "--local-epochs", "1", "--out", "O"]
+SIMULATE = [sys.executable, "-m", "fedpar", *ARGS]
 
 
 def _files(folder) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory):
+    """The folder of an earlier run of 1 round (its O), made once by the command's main in this process: only the
+    stopped run below is what the tests are about, and it is a process of its own."""
+    base = tmp_path_factory.mktemp("earlier")
+    with pytest.MonkeyPatch.context() as mp, logging_as_a_fresh_process():
+        mp.chdir(base)
+        from fedpar.cli.main import main
+
+        assert main(ARGS + ["--rounds", "1", "--quiet"]) == 0
+    return base / "O"
+
+
 @pytest.mark.parametrize("stop, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_run_stopped_before_its_first_round_keeps_the_earlier_runs_outputs(tmp_path, stop, code):
-    made = subprocess.run(SIMULATE + ["--rounds", "1", "--quiet"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240)
-    assert made.returncode == 0, made.stderr
+def test_a_run_stopped_before_its_first_round_keeps_the_earlier_runs_outputs(tmp_path, earlier_run, stop, code):
+    shutil.copytree(earlier_run, tmp_path / "O")
     before = _files(tmp_path / "O")
     assert {"metrics.jsonl", "global.safetensors", "summary.json", "accuracy.png"} <= set(before)
     # every member vanishes before it uploads: round 1 stays open until the signal

@@ -163,35 +163,33 @@ def test_a_trace_in_which_no_client_is_ever_online_is_refused_at_once(tmp_path, 
                      "give a trace in which some clients are"], lines
 
 
-def test_a_trace_written_by_hand_with_spaces_after_its_commas_runs(tmp_path):
+def test_a_trace_written_by_hand_with_spaces_after_its_commas_runs(tmp_path, capfd):
     """QA: 'client, seconds_per_step, ...' was refused as a header that does not name the columns (it does)."""
-    import subprocess
-    import sys
+    from support.in_process import run_main
 
     rows = [", ".join(COLUMNS)] + [f"{i}, 0.01, 10, 5, 0, 86400" for i in range(3)]
     (tmp_path / "by_hand.csv").write_text("\n".join(rows) + "\n")
-    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "3", "--rounds", "1",
-                           "--local-epochs", "1", "--quiet", "--trace", "by_hand.csv", "--clock", "virtual", "--out",
-                           "o"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    done = run_main(["simulate", "--clients", "3", "--rounds", "1", "--local-epochs", "1", "--quiet", "--trace",
+                     "by_hand.csv", "--clock", "virtual", "--out", "o"], capfd, tmp_path)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["rounds"] == 1
 
 
-def test_a_run_ends_without_waiting_out_a_day_long_step_of_its_trace(tmp_path):
+def test_a_run_ends_without_waiting_out_a_day_long_step_of_its_trace(tmp_path, capfd):
     """QA: a client whose trace makes a step last a day slept it out in a plain time.sleep, so the run's end waited
     for its seat a minute (the join's limit: 67 s for a 5 s deadline); its pause now wakes when the run stops. The
     limit below is a guard against that hang, far above the few seconds the run takes."""
-    import subprocess
-    import sys
+    import time
+
+    from support.in_process import run_main
 
     rows = [",".join(COLUMNS)] + [f"{i},{86400 if i == 0 else 0.001},10,5,0,86400" for i in range(4)]
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
-    try:
-        done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "4", "--rounds", "1",
-                               "--local-epochs", "1", "--deadline", "3", "--quiet", "--trace", "t.csv", "--out", "o"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=50)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the run waited for the slow client's day-long step after its round ended")
+    started = time.monotonic()
+    done = run_main(["simulate", "--clients", "4", "--rounds", "1", "--local-epochs", "1", "--deadline", "3",
+                     "--quiet", "--trace", "t.csv", "--out", "o"], capfd, tmp_path)
+    took = time.monotonic() - started
+    assert took < 50, f"the run waited for the slow client's day-long step after its round ended ({took:.0f} s)"
     assert done.returncode == 0 and done.stderr == "", done.stderr
     (row,) = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     assert (row["sampled"], row["reported"], row["close_reason"]) == (4, 3, "deadline"), row
