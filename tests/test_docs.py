@@ -49,20 +49,29 @@ def command_lines(body: str) -> list[str]:
     return lines
 
 
-def test_the_site_builds_strict(tmp_path):
-    """`mkdocs build --strict` (what `make docs` runs): a broken link, nav entry or API reference fails it."""
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The site built by `mkdocs build --strict` once for this file's tests (they only read it): its folder and
+    the build's outcome."""
     pytest.importorskip("mkdocs")  # the docs extra (make test installs it; the GPU box has not)
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    site = tmp_path_factory.mktemp("site")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    return site, done
+
+
+def test_the_site_builds_strict(built_site):
+    """`mkdocs build --strict` (what `make docs` runs): a broken link, nav entry or API reference fails it."""
+    site, out = built_site
     assert out.returncode == 0, out.stderr[-4000:]
     assert "WARNING" not in out.stderr, out.stderr[-4000:]
     for name in ("serve", "client", "simulate", "train", "certs", "export", "simulate-workers"):
-        assert (tmp_path / "site" / "reference" / "cli" / name / "index.html").exists()
+        assert (site / "reference" / "cli" / name / "index.html").exists()
     # A list right under a paragraph's line (no blank line between) is, to MkDocs, more of that paragraph: its
     # items showed as one run-on text with '- ' in it (QA: 16 lists on 6 pages)
-    run_on = [f"{page.relative_to(tmp_path / 'site')}: {paragraph[:80]!r}"
-              for page in (tmp_path / "site").rglob("*.html")
+    run_on = [f"{page.relative_to(site)}: {paragraph[:80]!r}"
+              for page in site.rglob("*.html")
               for paragraph in re.findall(r"<p>((?:(?!</p>).)*)</p>", page.read_text(), re.S)
               if re.search(r"\n(?:- |\d+\. )", paragraph)]
     assert not run_on, "put a blank line above these lists:\n" + "\n".join(run_on)
@@ -201,13 +210,9 @@ def test_the_pages_list_the_strategies_the_registry_has():
 
 
 @pytest.fixture(scope="module")
-def api_page(tmp_path_factory) -> str:
-    """The built Python API page's HTML (the site built strictly once for the tests below)."""
-    pytest.importorskip("mkdocs")
-    site = tmp_path_factory.mktemp("site")
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+def api_page(built_site) -> str:
+    """The built Python API page's HTML."""
+    site, out = built_site
     assert out.returncode == 0, out.stderr[-4000:]
     return (site / "reference" / "python-api" / "index.html").read_text()
 
