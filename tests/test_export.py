@@ -16,6 +16,7 @@ from fedpar.cli.main import main
 from fedpar.models import get_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol.model_file import write_final_model
+from support.in_process import run_main
 
 DESCRIPTION = {"model": "cnn", "dataset": "digits", "input_shape": [1, 8, 8], "num_classes": 10}
 
@@ -114,51 +115,45 @@ def test_export_writes_through_a_link_and_refuses_a_pipe_it_would_replace(tmp_pa
     assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode)  # still the pipe
 
 
-def test_export_under_a_file_is_refused_in_one_line_by_the_command(tmp_path):
+def test_export_under_a_file_is_refused_in_one_line_by_the_command(tmp_path, capfd):
     """QA: `fedpar export RUN --to FILE/m.pt` said 'File exists: FILE in folder ...' and exited 1."""
     _kept_model(tmp_path / "run")
     (tmp_path / "notes.txt").write_text("kept")
-    done = subprocess.run([sys.executable, "-m", "fedpar", "export", "run", "--to", "notes.txt/m.pt"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    done = run_main(["export", "run", "--to", "notes.txt/m.pt"], capfd, tmp_path)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.splitlines() == ["fedpar export: --to notes.txt/m.pt: notes.txt is a file, not a folder; write "
                                         "the export into a folder, e.g. --to m.pt"]
     assert (tmp_path / "notes.txt").read_text() == "kept"
 
 
-def test_export_of_a_task_runs_checkpoints_names_the_whole_model_its_latest_holds(tmp_path):
+def test_export_of_a_task_runs_checkpoints_names_the_whole_model_its_latest_holds(tmp_path, capfd):
     """QA: `fedpar export OUT/checkpoints` of a `train --task` run said 'sharded DCP checkpoints, not one model',
     though each of its checkpoints holds the whole model, and pointed only at global.safetensors, which a run
     stopped before its end never writes."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    fedpar = [sys.executable, "-m", "fedpar"]
-    trained = subprocess.run([*fedpar, "train", "--task", f"{root}/examples/own_task.py:task", "--task-option",
-                              f"csv={root}/examples/table.csv", "--epochs", "2", "--checkpoint-every", "1", "--no-plot",
-                              "--out", "run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    trained = run_main(["train", "--task", f"{root}/examples/own_task.py:task", "--task-option",
+                        f"csv={root}/examples/table.csv", "--epochs", "2", "--checkpoint-every", "1", "--no-plot",
+                        "--out", "run"], capfd, tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    done = subprocess.run([*fedpar, "export", "run/checkpoints", "--to", "m.pt"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    done = run_main(["export", "run/checkpoints", "--to", "m.pt"], capfd, tmp_path)
     whole = "run/checkpoints/epoch-000002/model.safetensors"
     assert done.returncode == 2 and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
     assert f"is a `fedpar train --task` checkpoint directory; export {whole}, its latest, or the run's --out " \
            "folder, run," in done.stderr and "DCP" not in done.stderr, done.stderr
-    done = subprocess.run([*fedpar, "export", whole, "--to", "m.pt"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    done = run_main(["export", whole, "--to", "m.pt"], capfd, tmp_path)
     assert done.returncode == 0, done.stderr
     final = torch.load(tmp_path / "m.pt", weights_only=True)
-    subprocess.run([*fedpar, "export", "run", "--to", "g.pt"], cwd=tmp_path, check=True, capture_output=True,
-                   timeout=120)
+    assert run_main(["export", "run", "--to", "g.pt"], capfd, tmp_path).returncode == 0
     kept = torch.load(tmp_path / "g.pt", weights_only=True)
     assert final.keys() == kept.keys() and all(torch.equal(final[k], kept[k]) for k in kept)  # the run's last model
 
 
-def test_export_to_a_path_ending_in_a_slash_is_refused_not_written_as_a_file(tmp_path):
+def test_export_to_a_path_ending_in_a_slash_is_refused_not_written_as_a_file(tmp_path, capfd):
     """QA: `fedpar export RUN --to newdir/` wrote a file called newdir (Path drops the slash)."""
     _kept_model(tmp_path / "run")
-    done = subprocess.run([sys.executable, "-m", "fedpar", "export", "run", "--to", "newdir/"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    done = run_main(["export", "run", "--to", "newdir/"], capfd, tmp_path)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.splitlines() == ["fedpar export: error: argument --to: newdir/ ends in '/', which names a "
                                         "folder; name the file to write, e.g. newdir/model.pt; see 'fedpar export "
@@ -231,7 +226,7 @@ def test_export_into_a_folder_that_cannot_be_written_is_refused_before_the_model
         assert done.returncode == 2 and done.stdout == "" and done.stderr == f"fedpar export: {line}\n", done.stderr
 
 
-def test_export_of_the_out_folder_of_a_one_shot_serve_still_running_says_so(tmp_path):
+def test_export_of_the_out_folder_of_a_one_shot_serve_still_running_says_so(tmp_path, capfd):
     """QA: a one-shot `fedpar serve --out so` held no lock on --out, so `fedpar export so` while it ran said 'so holds
     neither global.safetensors ... nor LATEST' (or, beside a resumed run, exported the model an earlier run had left
     there) with no word that the run had not ended; serve now holds --out as simulate and train do."""
@@ -243,11 +238,10 @@ def test_export_of_the_out_folder_of_a_one_shot_serve_still_running_says_so(tmp_
                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:  # listening: --out is held by then (no agent joins, so its one round never starts)
         assert re.search(r"listening on 127\.0\.0\.1:\d+", serve.stdout.readline())
-        done = subprocess.run(fedpar + ["export", "so", "--to", "m.pt"], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=120)
-        again = subprocess.run(fedpar + ["serve", "--insecure", "--host", "127.0.0.1", "--port", "0", "--rounds", "1",
-                                         "--min-available", "4", "--out", "so"], cwd=tmp_path, capture_output=True,
-                               text=True, timeout=120)
+        # the export and the second serve by their mains in this process: the running serve is the other process
+        done = run_main(["export", "so", "--to", "m.pt"], capfd, tmp_path)
+        again = run_main(["serve", "--insecure", "--host", "127.0.0.1", "--port", "0", "--rounds", "1",
+                          "--min-available", "4", "--out", "so"], capfd, tmp_path)
     finally:
         serve.kill()
         serve.wait(timeout=30)
@@ -266,8 +260,6 @@ def test_export_of_a_damaged_checkpoint_says_what_is_damaged_and_what_to_export_
     """QA: `fedpar export CK` of a checkpoint directory whose latest round is damaged advised 'to resume from the
     previous checkpoint instead, write 'round-000002' into CK/LATEST (the rounds after it run again)': a resume's
     advice; export resumes nothing (and 'delete the checkpoint directory' would lose the older rounds)."""
-    from support.in_process import run_main
-
     done = run_main(["simulate", "--clients", "4", "--rounds", "3", "--local-epochs", "1", "--quiet",
                      "--checkpoint-dir", "ck", "--out", "o"], capfd, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -286,7 +278,7 @@ def test_export_of_a_damaged_checkpoint_says_what_is_damaged_and_what_to_export_
         "ck/round-000003, or the run's --out folder (its global.safetensors, written as the run ended)\n"), done.stderr
 
 
-def test_export_of_the_out_folder_of_a_stopped_task_run_names_its_latest_checkpoints_model(tmp_path):
+def test_export_of_the_out_folder_of_a_stopped_task_run_names_its_latest_checkpoints_model(tmp_path, capfd):
     """QA: `fedpar export OUT` of a `train --task` run stopped with Ctrl-C (which writes no global.safetensors) said
     'OUT holds neither global.safetensors (a run's --out folder) nor LATEST (a coordinator checkpoint directory)',
     though OUT is a run's --out folder and its latest checkpoint holds the whole model."""
@@ -312,11 +304,9 @@ def test_export_of_the_out_folder_of_a_stopped_task_run_names_its_latest_checkpo
         run.kill()
     assert run.returncode == 130 and not (tmp_path / "run" / "global.safetensors").exists()
     whole = f"run/checkpoints/{latest.read_text().strip()}/model.safetensors"
-    done = subprocess.run([*fedpar, "export", "run", "--to", "m.pt"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    done = run_main(["export", "run", "--to", "m.pt"], capfd, tmp_path)
     assert done.returncode == 2 and done.stderr == (
         "fedpar export: run is not a fedpar model: run is the --out folder of a `fedpar train` run that has not ended "
         f"(it writes its global.safetensors as it ends): the same command resumes it; export {whole}, its latest "
         "checkpoint's model\n"), done.stderr
-    assert subprocess.run([*fedpar, "export", whole, "--to", "m.pt"], cwd=tmp_path, capture_output=True,
-                          timeout=120).returncode == 0
+    assert run_main(["export", whole, "--to", "m.pt"], capfd, tmp_path).returncode == 0
