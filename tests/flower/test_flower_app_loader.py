@@ -179,30 +179,29 @@ def test_a_federation_address_without_clients_and_a_fab_are_refused_in_one_line(
         assert "\n" not in err and "is a FAB" in err and "pass the project directory" in err
 
 
-def test_a_default_federation_with_no_table_is_said_only_where_a_count_is_needed_and_clients_then_runs(tmp_path):
+def test_a_default_federation_with_no_table_is_said_only_where_a_count_is_needed_and_clients_then_runs(tmp_path, capfd):
     """QA: a default naming no federation table stopped simulate, serve and client alike with 'add it or pass
     --clients', and simulate --clients N stopped there too (serve and client take no --clients)."""
     import shutil
-    import subprocess
-    import sys
+
+    from support.in_process import run_main
 
     root = tmp_path / "app"
     shutil.copytree(EXAMPLE, root, ignore=shutil.ignore_patterns("__pycache__"))
     toml = root / "pyproject.toml"
     toml.write_text(toml.read_text().replace('default = "local-simulation"', 'default = "nowhere"'))
-    fedpar = [sys.executable, "-m", "fedpar"]
-    simulate = [*fedpar, "simulate", "--flower-app", str(root), "--strategy", "fedavg", "--rounds", "1", "--workers",
+    simulate = ["simulate", "--flower-app", str(root), "--strategy", "fedavg", "--rounds", "1", "--workers",
                 "1", "--quiet", "--out", str(tmp_path / "run")]
-    done = subprocess.run(simulate, capture_output=True, text=True, timeout=120)
+    done = run_main(simulate, capfd)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.splitlines() == ["fedpar simulate: [tool.flwr.federations] default = 'nowhere' names no "
                                         "[tool.flwr.federations.nowhere] table; add it, or pass --clients N to "
                                         "simulate N members"]
-    done = subprocess.run([*simulate, "--clients", "2"], capture_output=True, text=True, timeout=120)
+    done = run_main([*simulate, "--clients", "2"], capfd)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "default = 'nowhere' names no table; --clients 2 says how many members to simulate" in done.stderr
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["sampled"] == 2
-    agent = [*fedpar, "client", "--insecure", "--server", "127.0.0.1:9", "--agent-id", "a", "--give-up-after", "1",
+    agent = ["client", "--insecure", "--server", "127.0.0.1:9", "--agent-id", "a", "--give-up-after", "1",
              "--flower-app", str(root)]
-    done = subprocess.run(agent, capture_output=True, text=True, timeout=120)
+    done = run_main(agent, capfd)
     assert done.returncode == 1 and "unreachable for 1.0s" in done.stderr, done.stderr[-3000:]  # loaded, dialled

@@ -91,22 +91,27 @@ def test_privacy_and_share_caps_a_server_app_cannot_apply_are_refused_not_droppe
     assert len(lines) == 1 and extra[0] in lines[0] and "ServerApp" in lines[0], lines
 
 
-def test_a_server_app_waiting_for_more_nodes_than_clients_stops_in_one_line(tmp_path):
+def test_a_server_app_waiting_for_more_nodes_than_clients_stops_in_one_line(tmp_path, monkeypatch):
+    # the ServerApp starts once the members are live: a shorter patience still outlasts a node that could come
+    monkeypatch.setattr("fedpar.simulations.flower_app_run.NODE_PATIENCE_SECONDS", 1.0)
     cfg = SimulationConfig(clients=1, workers=1, seats=1, out=str(tmp_path / "out"))  # the app's FedAvg wants 2
     from fedpar.task import TaskFailed
 
-    with pytest.raises(TaskFailed, match=r"waited 5 s for more than the 1 nodes it has .*start more clients"):
+    with pytest.raises(TaskFailed, match=r"waited 1 s for more than the 1 nodes it has .*start more clients"):
         run_flower_app(cfg, load_flower_app(APP))
 
 
 @pytest.mark.parametrize("options, said", [
-    (["--clients", "1"], "fedpar simulate: the ServerApp waited 5 s for more than the 1 nodes it has"),
+    (["--clients", "1"], "fedpar simulate: the ServerApp waited 1 s for more than the 1 nodes it has"),
     (["--clients", "2", "--run-config", 'num-server-rounds="two"'],
      "fedpar simulate: the ServerApp failed: ValueError: invalid literal for int() with base 10: 'two': fix the app")])
-def test_a_server_app_that_fails_is_one_line_with_no_coordinator_traceback(tmp_path, options, said, capfd):
+def test_a_server_app_that_fails_is_one_line_with_no_coordinator_traceback(tmp_path, options, said, capfd,
+                                                                           monkeypatch):
     """They printed 'coordinator stopped with an error' and a traceback first; an exception of Flower's own kind
     (not a ValueError or RuntimeError) escaped as two tracebacks (QA)."""
     from support.in_process import run_main
+
+    monkeypatch.setattr("fedpar.simulations.flower_app_run.NODE_PATIENCE_SECONDS", 1.0)  # its members are live
 
     done = run_main(["simulate", "--flower-app", str(APP), "--workers", "1", *options, "--out",
                      str(tmp_path / "out")], capfd)
