@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from support.in_process_kept import run_main_keeping_env as run_main
 from support.processes import children
 
 SIMULATE = [sys.executable, "-m", "fedpar", "simulate", "--clients", "20", "--clients-per-round", "4", "--quiet",
@@ -40,34 +41,34 @@ def _coordinator(launcher: int) -> int:
     return next((p for p in kids if Path(f"/proc/{p}/cmdline").read_bytes() == line), kids[0])
 
 
-def _refused(cwd: Path, run: subprocess.Popen, rounds: int) -> None:
-    """A second run on the live checkpoint folder, into another --out (the same one is refused first, below)."""
-    done = subprocess.run(SIMULATE[:-1] + ["O2", "--rounds", str(rounds)], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+def _refused(cwd: Path, run: subprocess.Popen, rounds: int, capfd) -> None:
+    """A second run on the live checkpoint folder, into another --out (the same one is refused first, below), by
+    fedpar's main in the test's process: its refusal's line and exit code are what it proves."""
+    done = run_main(SIMULATE[3:-1] + ["O2", "--rounds", str(rounds)], capfd, cwd)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [f"fedpar simulate: --checkpoint-dir D is in use by another fedpar run (pid "
                                         f"{run.pid}); wait for it to end, or give another --checkpoint-dir"]
 
 
-def test_a_second_run_on_a_live_checkpoint_folder_is_refused_across_the_coordinators_restart(tmp_path):
+def test_a_second_run_on_a_live_checkpoint_folder_is_refused_across_the_coordinators_restart(tmp_path, capfd):
     run = _start(tmp_path)
     try:
         _until_checkpointed(run, tmp_path)
-        _refused(tmp_path, run, 2000)
-        _refused(tmp_path, run, 1)  # said 'nothing to train' and rewrote O/summary.json under the running run
+        _refused(tmp_path, run, 2000, capfd)
+        _refused(tmp_path, run, 1, capfd)  # said 'nothing to train' and rewrote O/summary.json under the running run
         assert not (tmp_path / "O" / "summary.json").exists()
         os.kill(_coordinator(run.pid), signal.SIGKILL)  # the launcher starts it again: it still holds the folder
-        _refused(tmp_path, run, 2000)
+        _refused(tmp_path, run, 2000, capfd)
         run.send_signal(signal.SIGINT)
         _, err = run.communicate(timeout=120)
     finally:
         run.kill()
     assert run.returncode == 130, err
-    again = subprocess.run(SIMULATE + ["--rounds", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    again = run_main(SIMULATE[3:] + ["--rounds", "1"], capfd, tmp_path)
     assert "in use" not in again.stderr and again.returncode == 0, again.stderr  # the lock went with the run
 
 
-def test_a_second_run_into_a_live_runs_out_folder_is_refused(tmp_path):
+def test_a_second_run_into_a_live_runs_out_folder_is_refused(tmp_path, capfd):
     # QA: two runs into one --out both exited 0, and metrics.jsonl held rounds 1, 1, 2 from the two of them
     run = subprocess.Popen([sys.executable, "-m", "fedpar", "simulate", "--clients", "4", "--rounds", "2000", "--quiet",
                             "--out", "O"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -76,8 +77,7 @@ def test_a_second_run_into_a_live_runs_out_folder_is_refused(tmp_path):
         while not (tmp_path / "O" / "metrics.jsonl").exists():
             assert run.poll() is None and time.monotonic() < end, run.communicate()
             time.sleep(0.1)
-        done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "4", "--rounds", "1", "--quiet",
-                               "--out", "O"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        done = run_main(["simulate", "--clients", "4", "--rounds", "1", "--quiet", "--out", "O"], capfd, tmp_path)
         assert done.returncode == 2 and done.stderr.splitlines() == [
             f"fedpar simulate: --out O is in use by another fedpar run (pid {run.pid}); wait for it to end, or give "
             "another --out"], done.stderr
@@ -116,9 +116,8 @@ def test_a_ctrl_c_to_the_process_group_says_its_line_once(tmp_path):
     assert run.returncode == 130 and len(said) == 1 and said[0].startswith("fedpar simulate: interrupted after "), err
 
 
-def test_a_refused_start_leaves_no_checkpoint_folder_it_made_for_its_lock(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "6", "--clients-per-round", "1",
-                           "--secure-aggregation", "--rounds", "2", "--quiet", "--checkpoint-dir", "NEW", "--out", "O"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+def test_a_refused_start_leaves_no_checkpoint_folder_it_made_for_its_lock(tmp_path, capfd):
+    done = run_main(["simulate", "--clients", "6", "--clients-per-round", "1", "--secure-aggregation", "--rounds", "2",
+                     "--quiet", "--checkpoint-dir", "NEW", "--out", "O"], capfd, tmp_path)
     assert done.returncode == 2 and "secure aggregation" in done.stderr, done.stderr
     assert not (tmp_path / "NEW").exists()
