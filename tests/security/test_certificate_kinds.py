@@ -163,24 +163,17 @@ def test_an_expired_ca_is_said_by_serve_client_and_certs_instead_of_every_handsh
     assert not (folder / "carol.pem").exists()
 
 
-def test_a_key_that_is_not_the_certificates_says_how_to_get_a_pair_and_that_way_works(tmp_path):
+def test_a_key_that_is_not_the_certificates_says_how_to_get_a_pair_and_that_way_works(tmp_path, capfd):
     """It said only 'KEY is not the private key of CERT' (QA, the TLS guide): the fix it now names, re-issuing the
     pair, gives an agent that passes the check and dials."""
-    import subprocess
-    import sys
-
-    fedpar = [sys.executable, "-m", "fedpar"]
-    subprocess.run([*fedpar, "certs", "--out", "certs", "--agents", "alice,bob"], cwd=tmp_path, check=True,
-                   capture_output=True, timeout=60)
+    assert run_main(["certs", "--out", "certs", "--agents", "alice,bob"], capfd, tmp_path).returncode == 0
     shutil.copy(tmp_path / "certs" / "bob.key", tmp_path / "certs" / "alice.key")
-    agent = [*fedpar, "client", "--server", "127.0.0.1:9", "--certs", "certs", "--agent-id", "alice",
-             "--give-up-after", "1"]
-    done = subprocess.run(agent, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    agent = ["client", "--server", "127.0.0.1:9", "--certs", "certs", "--agent-id", "alice", "--give-up-after", "1"]
+    done = run_main(agent, capfd, tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.splitlines() == ["fedpar client: certs/alice.key is not the private key of certs/alice.pem; "
                                         "give the key made with it (one lost: re-issue the pair, 'fedpar certs --out "
                                         "DIR --agents ID --force', or --server-name NAME for the coordinator's)"]
-    subprocess.run([*fedpar, "certs", "--out", "certs", "--agents", "alice", "--force"], cwd=tmp_path, check=True,
-                   capture_output=True, timeout=60)
-    done = subprocess.run(agent, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert run_main(["certs", "--out", "certs", "--agents", "alice", "--force"], capfd, tmp_path).returncode == 0
+    done = run_main(agent, capfd, tmp_path)
     assert done.returncode == 1 and "unreachable for 1.0s" in done.stderr, done.stderr  # past the check, dialling
