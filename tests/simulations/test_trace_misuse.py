@@ -75,9 +75,10 @@ def test_a_csv_trace_named_json_says_to_name_it_csv(tmp_path, capfd):
                     "named .csv is; name it .csv"), line
 
 
-def test_a_simulate_workers_trace_day_against_a_virtual_clock_is_refused(tmp_path):
+def test_a_simulate_workers_trace_day_against_a_virtual_clock_is_refused(tmp_path, capfd):
     """QA: simulate-workers --trace-day-seconds 60 against serve --clock virtual ran, its day silently not taken
-    (simulate refuses the same flags at once); the host now stops in simulate's line, exit 2."""
+    (simulate refuses the same flags at once); the host now stops in simulate's line, exit 2 (run by its main in this
+    process, against a real serve process)."""
     import re
     import subprocess
     import sys
@@ -90,9 +91,8 @@ def test_a_simulate_workers_trace_day_against_a_virtual_clock_is_refused(tmp_pat
                                        "o"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         address = re.search(r"listening on (127\.0\.0\.1:\d+)", serve.stdout.readline()).group(1)
-        done = subprocess.run(fedpar + ["simulate-workers", "--insecure", "--server", address, "--clients", "4",
-                                        "--trace", "t.csv", "--trace-day-seconds", "60"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        done = run_main(["simulate-workers", "--insecure", "--server", address, "--clients", "4", "--trace", "t.csv",
+                         "--trace-day-seconds", "60"], capfd, tmp_path)
     finally:
         serve.kill()
         serve.wait(timeout=30)
@@ -117,16 +117,12 @@ def test_a_trace_day_shorter_than_the_hosts_read_it_is_refused(tmp_path, capfd):
     assert not (tmp_path / "o").exists()
 
 
-def test_simulate_workers_refuses_a_trace_day_too_short_before_it_dials(tmp_path):
+def test_simulate_workers_refuses_a_trace_day_too_short_before_it_dials(tmp_path, capfd):
     """QA: simulate-workers took --trace-day-seconds 0.001 as simulate did; it now says simulate's line, exit 2,
     before it dials the coordinator (none listens here)."""
-    import subprocess
-    import sys
-
     rows = [",".join(COLUMNS)] + [f"{i},0.001,10,5,0,86400" for i in range(4)]
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
-    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate-workers", "--insecure", "--server",
-                           "127.0.0.1:1", "--clients", "4", "--trace", "t.csv", "--trace-day-seconds", "0.001"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = run_main(["simulate-workers", "--insecure", "--server", "127.0.0.1:1", "--clients", "4", "--trace", "t.csv",
+                     "--trace-day-seconds", "0.001"], capfd, tmp_path)
     lines = [line for line in done.stderr.splitlines() if "--insecure" not in line]
     assert done.returncode == 2 and lines == ["fedpar simulate-workers: " + DAY_TOO_SHORT.format("0.001")], done.stderr
