@@ -5,12 +5,12 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Callable, Iterable
-
-from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure registry
-from matplotlib.ticker import MaxNLocator
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from fedpar.protocol.atomicfile import atomic_path
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 # (column, label, shift): federated evaluation is scored by the agents of round r on the global model they
@@ -104,6 +104,9 @@ def _plot_panel(panel: str, curves: dict[str, tuple[list[int], list[float]]], ti
 
 def panel_figure(panel: str, curves: dict[str, tuple[list[int], list[float]]], title: str) -> Figure:
     """The figure of one panel of :func:`round_series`."""
+    from matplotlib.figure import Figure  # here, not at import: about a second, and a run with no curve draws none
+    from matplotlib.ticker import MaxNLocator
+
     fig = Figure(figsize=(6, 4), dpi=110)
     ax = fig.subplots()
     for label, (rounds, values) in curves.items():  # markers blot out a curve of many points
@@ -131,6 +134,9 @@ def _save(fig: Figure, path: Path) -> None:
 
 def plot_label_counts(counts, path: Path, title: str = "") -> None:
     """A heat map of the examples of each class (x) each client (y) holds."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure registry
+    from matplotlib.ticker import MaxNLocator
+
     fig = Figure(figsize=(6, max(3.0, min(12.0, 0.12 * len(counts) + 1.5))), dpi=110)
     ax = fig.subplots()
     image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis")

@@ -210,7 +210,7 @@ def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: s
         outputs.written += [name for name in (TENSORS, INFO) if _written_since(out / name, before)]
     attempt(SUMMARY, lambda path: atomic_write_bytes(path, [(json.dumps(summary, indent=2) + "\n").encode()]))
     if rounds and (not interrupted if plots is None else plots):
-        from fedpar.simulations.plots import round_plots  # matplotlib: about a second to import
+        from fedpar.simulations.plots import round_plots  # matplotlib (about a second) only once a curve is drawn
 
         rounds_drawn = round_plots(metrics.read_rows(), title) if metrics.path is not None else {}
         for name, draw in {**rounds_drawn, **(more_plots or {})}.items():
