@@ -59,7 +59,8 @@ def alone() -> dict[str, tuple[int, str]]:
     ports = {free_port()}
     while len(ports) < 2:  # two ports, or the two would meet
         ports.add(free_port())
-    procs = {rank: _start_process(AGENT, {"WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1",
+    never_met = [*AGENT, "--dist-timeout", "1"]  # no peer ever comes: how long each waits is not the claim
+    procs = {rank: _start_process(never_met, {"WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1",
                                           "MASTER_PORT": str(port)}) for rank, port in zip(("0", "1"), ports)}
     try:
         return {rank: (proc.wait(90), proc.communicate()[0]) for rank, proc in procs.items()}
