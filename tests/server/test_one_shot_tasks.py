@@ -19,6 +19,7 @@ import pytest
 from fedpar.cli.serve_once import same_task
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import PROTOCOL_VERSION, CoordinatorStub
+from support.in_process import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 FEDPAR = [sys.executable, "-m", "fedpar"]
@@ -36,7 +37,7 @@ def _port(serve: subprocess.Popen, port_file: Path) -> int:
 
 
 def test_one_shot_serve_refuses_an_agent_with_another_model_in_one_line_and_trains_with_the_one_that_has_it(
-        tmp_path):
+        tmp_path, capfd):
     serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"),
                               "--rounds", "1", "--min-available", "1", "--clients-per-round", "1", "--model", "cnn",
                               "--deadline", "60", "--out", str(tmp_path / "out")], cwd=tmp_path, text=True,
@@ -44,23 +45,29 @@ def test_one_shot_serve_refuses_an_agent_with_another_model_in_one_line_and_trai
     agents = []
     try:
         address = f"127.0.0.1:{_port(serve, tmp_path / 'port')}"
-        outputs = []
-        for agent_id, flags in (("a", []), ("b", ["--model", "cnn"])):  # a: the default mlp; b once a is gone
-            agents.append(subprocess.Popen([*FEDPAR, "client", "--server", address, "--insecure", "--agent-id",
-                                            agent_id, "--threads", "1", "--poll", "1", "--give-up-after", "20",
-                                            *flags], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, env=ENV))
-            outputs.append(agents[-1].communicate(timeout=90))
-        (a_out, a_err), (b_out, b_err) = outputs
+        client = ["client", "--server", address, "--insecure", "--threads", "1", "--poll", "1", "--give-up-after",
+                  "20"]
+        # a, the default mlp: its refusal by the client's main in this process (the environment it sets for itself
+        # is put back after); b, once a is gone, a process that trains
+        environment = dict(os.environ)
+        try:
+            refused = run_main([*client, "--agent-id", "a"], capfd, cwd=tmp_path)
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
+        agents.append(subprocess.Popen([*FEDPAR, *client, "--agent-id", "b", "--model", "cnn"], cwd=tmp_path,
+                                       text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV))
+        b_out, b_err = agents[-1].communicate(timeout=90)
         served, serve_err = serve.communicate(timeout=60)
     finally:
         for process in (serve, *agents):
             if process.poll() is None:
                 process.kill()
-    assert agents[0].returncode == 1 and "Traceback" not in a_err, a_out + a_err
-    assert a_err.strip().splitlines()[-1] == f"fedpar client: a: coordinator refused: FAILED_PRECONDITION: {REFUSED}"
-    assert "tasks," not in a_out, a_out  # no task reached it
-    assert agents[1].returncode == 0 and "b: 1 task, 1 update accepted, 0 refused" in b_out, b_out + b_err
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stdout + refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == \
+        f"fedpar client: a: coordinator refused: FAILED_PRECONDITION: {REFUSED}"
+    assert "tasks," not in refused.stdout, refused.stdout  # no task reached it
+    assert agents[0].returncode == 0 and "b: 1 task, 1 update accepted, 0 refused" in b_out, b_out + b_err
     assert serve.returncode == 0 and "Traceback" not in serve_err, served + serve_err
     assert [line for line in serve_err.splitlines() if "cannot take part" in line] == [f"fedpar serve: {REFUSED}"]
 
