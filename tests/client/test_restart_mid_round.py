@@ -29,6 +29,9 @@ from support.gated_trainer import GatedTrainer
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE = 60.0  # the rounds here close within seconds of a restart: none waits this out
 HOST = "host-0-of-1"  # a launch without torchrun is rank 0 of 1
+# an agent's training, seconds of it, outlasts the kill that comes 0.3 s into it; every member trains it, the held
+# back ones too, so more only makes the round longer
+LONG_EPOCHS = 100
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
@@ -73,7 +76,8 @@ def test_a_host_killed_mid_round_and_started_again_gets_its_members_tasks_back(t
     rows: list[dict] = []
     server = CoordinatorAssembly.for_data("mlp", load_dataset("digits"), 0, "cpu").server(
         CoordinatorConfig(min_available=clients, clients_per_round=clients, overselect=1.0, rounds=1,
-                          accept_populations=True, deadline_seconds=DEADLINE, heartbeat_seconds=1.0, local_epochs=5),
+                          accept_populations=True, deadline_seconds=DEADLINE, heartbeat_seconds=1.0,
+                          local_epochs=3),  # steps of at least 0.05 s each: seconds of training, killed 0.3 s into it
         build_strategy("fedavg"), on_round_end=[rows.append])
     server.start()
     # slow steps: the kill comes while the members train; on the CPU, as the agents here (on a GPU box CUDA's
@@ -110,7 +114,7 @@ def test_an_agent_killed_mid_round_and_started_again_gets_its_task_back(tmp_path
     rows: list[dict] = []
     server = CoordinatorAssembly.for_data("mlp", load_dataset("digits"), 0, "cpu").server(
         CoordinatorConfig(min_available=2, clients_per_round=2, overselect=1.0, rounds=1, deadline_seconds=DEADLINE,
-                          heartbeat_seconds=0.5, liveness_timeout_seconds=2.0, local_epochs=300),
+                          heartbeat_seconds=0.5, liveness_timeout_seconds=2.0, local_epochs=LONG_EPOCHS),
         build_strategy("fedavg"), on_round_end=[rows.append])
     server.start()
     gate = threading.Event()
@@ -167,7 +171,7 @@ def test_a_secure_round_counts_a_restarted_agent_as_failed_and_closes_on_the_oth
     rows: list[dict] = []
     server = CoordinatorAssembly.for_data("mlp", load_dataset("digits"), 0, "cpu").server(
         CoordinatorConfig(min_available=3, clients_per_round=3, overselect=1.0, rounds=1, deadline_seconds=DEADLINE,
-                          heartbeat_seconds=0.5, liveness_timeout_seconds=2.0, local_epochs=300,
+                          heartbeat_seconds=0.5, liveness_timeout_seconds=2.0, local_epochs=LONG_EPOCHS,
                           secure_aggregation=True),
         build_strategy("fedavg"), on_round_end=[rows.append])
     server.start()
