@@ -1,5 +1,6 @@
-"""`fedpar train` as a new user misuses it, each command a real process: a mistake is one line saying what to do,
-exit code 2, and loses nothing already written (QA)."""
+"""`fedpar train` as a new user misuses it: a mistake is one line saying what to do, exit code 2, and loses nothing
+already written (QA). A command is a real process where the process is the point (kill -9, Ctrl-C, torchrun's
+variables in its environment, a second run beside a running one); the others run fedpar's main in this process."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from support.in_process import run_main
+
 FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
 
 
@@ -22,6 +25,12 @@ def _train(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> tup
     environment: its exit code and stderr lines."""
     done = subprocess.run([*FEDPAR, "train", "--max-steps", "2", "--device", "cpu", "--no-plot", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+    return done.returncode, done.stderr.splitlines()
+
+
+def _train_here(args: list[str], cwd: Path, capfd) -> tuple[int, list[str]]:
+    """As :func:`_train`, by fedpar's main in this process (its ranks, with --nproc 2, are processes all the same)."""
+    done = run_main(["train", "--max-steps", "2", "--device", "cpu", "--no-plot", *args], capfd, cwd)
     return done.returncode, done.stderr.splitlines()
 
 
@@ -73,22 +82,22 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("nproc", ["1", "2"])
-def test_a_run_that_fails_before_it_logs_a_step_keeps_the_earlier_runs_outputs(nproc, tmp_path):
+def test_a_run_that_fails_before_it_logs_a_step_keeps_the_earlier_runs_outputs(nproc, tmp_path, capfd):
     """A diverging --lr (failed at step 2, logging every 10 steps) into an earlier run's --out: its metrics.jsonl was
     cut to nothing, beside that run's summary and model."""
-    code, lines = _train(["--out", "out", "--plot"], tmp_path)
+    code, lines = _train_here(["--out", "out", "--plot"], tmp_path, capfd)
     assert code == 0, lines
     before = _files(tmp_path / "out")
-    code, lines = _train(["--out", "out", "--lr", "1e30", "--log-every", "10", "--nproc", nproc], tmp_path)
+    code, lines = _train_here(["--out", "out", "--lr", "1e30", "--log-every", "10", "--nproc", nproc], tmp_path, capfd)
     assert (code, len(lines)) == (1, 1) and "training diverged" in lines[0], lines
     assert _files(tmp_path / "out") == before
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(before)  # no .earlier-run left
 
 
-def test_a_run_that_writes_replaces_every_file_of_the_earlier_run(tmp_path):
+def test_a_run_that_writes_replaces_every_file_of_the_earlier_run(tmp_path, capfd):
     """A --no-plot run into an earlier run's --out left that run's loss_curve.png beside its own outputs."""
-    assert _train(["--out", "out", "--plot"], tmp_path)[0] == 0
-    code, lines = _train(["--out", "out", "--model", "cnn"], tmp_path)
+    assert _train_here(["--out", "out", "--plot"], tmp_path, capfd)[0] == 0
+    code, lines = _train_here(["--out", "out", "--model", "cnn"], tmp_path, capfd)
     assert code == 0, lines
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
         ["global.json", "global.safetensors", "metrics.csv", "metrics.jsonl", "summary.json"]
@@ -112,14 +121,14 @@ def task(classes=3):
 '''
 
 
-def test_a_task_that_fails_as_it_trains_keeps_the_earlier_runs_outputs(tmp_path):
+def test_a_task_that_fails_as_it_trains_keeps_the_earlier_runs_outputs(tmp_path, capfd):
     """A task whose model has too few outputs, into the --out of the same task's earlier run: its metrics.jsonl was
     cut to nothing."""
     (tmp_path / "tasks.py").write_text(TASKS)
-    assert _train(["--task", "tasks.py:task", "--max-steps", "0", "--out", "out"], tmp_path)[0] == 0
+    assert _train_here(["--task", "tasks.py:task", "--max-steps", "0", "--out", "out"], tmp_path, capfd)[0] == 0
     before = _files(tmp_path / "out")
-    code, lines = _train(["--task", "tasks.py:task", "--task-option", "classes=2", "--max-steps", "0", "--out", "out"],
-                         tmp_path)
+    code, lines = _train_here(["--task", "tasks.py:task", "--task-option", "classes=2", "--max-steps", "0", "--out",
+                               "out"], tmp_path, capfd)
     assert (code, len(lines)) == (1, 1) and "Target 2 is out of bounds" in lines[0], lines
     assert _files(tmp_path / "out") == before
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(before)
@@ -137,10 +146,10 @@ def test_a_file_where_the_checkpoints_go_is_one_line_before_any_rank_starts(npro
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoints"]
 
 
-def test_ctrl_c_before_a_step_is_logged_keeps_the_earlier_runs_outputs_and_says_it_wrote_nothing(tmp_path):
+def test_ctrl_c_before_a_step_is_logged_keeps_the_earlier_runs_outputs_and_says_it_wrote_nothing(tmp_path, capfd):
     """Two ranks stopped before they logged a step (their model is not gathered): the run wrote its summary of no
     step over the earlier run's, and cut that run's metrics.jsonl to nothing."""
-    assert _train(["--out", "out", "--plot"], tmp_path)[0] == 0
+    assert _train_here(["--out", "out", "--plot"], tmp_path, capfd)[0] == 0
     before = _files(tmp_path / "out")
     run = subprocess.Popen([*FEDPAR, "train", "--max-steps", "100000", "--log-every", "100000", "--nproc", "2",
                             "--device", "cpu", "--out", "out"], cwd=tmp_path, stdout=subprocess.PIPE,
@@ -159,14 +168,14 @@ def test_ctrl_c_before_a_step_is_logged_keeps_the_earlier_runs_outputs_and_says_
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(before)
 
 
-def test_a_zoo_run_into_the_out_of_a_task_run_with_checkpoints_says_to_resume_it_with_its_task(tmp_path):
+def test_a_zoo_run_into_the_out_of_a_task_run_with_checkpoints_says_to_resume_it_with_its_task(tmp_path, capfd):
     """It said `latest` named no step-NNNNNNNN folder and to delete the file, the task run's only way to resume."""
     (tmp_path / "tasks.py").write_text(TASKS)
-    code, lines = _train(["--task", "tasks.py:task", "--max-steps", "0", "--checkpoint-every", "1", "--out", "out"],
-                         tmp_path)
+    code, lines = _train_here(["--task", "tasks.py:task", "--max-steps", "0", "--checkpoint-every", "1", "--out",
+                               "out"], tmp_path, capfd)
     assert code == 0, lines
     before = _files(tmp_path / "out" / "checkpoints")
-    code, lines = _train(["--checkpoint-every", "1", "--out", "out"], tmp_path)
+    code, lines = _train_here(["--checkpoint-every", "1", "--out", "out"], tmp_path, capfd)
     assert (code, lines) == (2, ["fedpar train: out/checkpoints/latest names epoch-000001, a checkpoint of `fedpar "
                                  "train --task` (a task's epochs), not of the zoo trainer's steps; resume it with that "
                                  "--task, or pass --no-resume to start afresh (or another --out)"]), lines
@@ -218,9 +227,9 @@ def test_a_config_file_that_spells_a_table_option_as_its_flag_is_told_the_table(
     (["--momentum", "0.5", "--optimizer", "adamw"], "--momentum (it needs --optimizer sgd)"),
     (["--base-batch-size", "32"], "--base-batch-size (it needs --lr-scaling linear or sqrt)"),
     (["--lr-scaling", "linear"], "--lr-scaling (it needs --base-batch-size, the batch size --lr was tuned for)")])
-def test_an_optimisation_option_the_run_would_ignore_is_refused_in_one_line(given, said, tmp_path):
+def test_an_optimisation_option_the_run_would_ignore_is_refused_in_one_line(given, said, tmp_path, capfd):
     """Each trained as if it had not been given, exit 0 (the lr unscaled, AdamW without momentum)."""
-    code, lines = _train([*given, "--out", "out"], tmp_path)
+    code, lines = _train_here([*given, "--out", "out"], tmp_path, capfd)
     assert (code, lines) == (2, [f"fedpar train: this run would ignore {said}: drop it, or give what it needs"]), lines
     assert not (tmp_path / "out").exists()
 
@@ -247,18 +256,19 @@ def _kill_a_fresh_run(cwd: Path, log_every: str, killed_once) -> None:
         killed.kill()
 
 
-def test_a_run_killed_before_its_first_step_leaves_the_earlier_runs_rows_to_the_run_that_resumes_it(tmp_path):
+def test_a_run_killed_before_its_first_step_leaves_the_earlier_runs_rows_to_the_run_that_resumes_it(tmp_path,
+                                                                                                     capfd):
     """A --no-resume run killed (kill -9) before it logged a step left the earlier run's files set aside, and an
     empty metrics.jsonl in the way of its rows: the next run, resuming the earlier run's checkpoint, lost its rows
     1-4 (kept only in OUT/.earlier-run). Its `latest` is set aside too, and put back before the next run decides to
     resume it."""
     steps = ["--checkpoint-every", "2", "--log-every", "1"]
-    assert _train([*steps, "--max-steps", "4", "--out", "out"], tmp_path)[0] == 0
+    assert _train_here([*steps, "--max-steps", "4", "--out", "out"], tmp_path, capfd)[0] == 0
     out, earlier = tmp_path / "out", _rows(tmp_path / "out")
     aside = out / ".earlier-run" / "checkpoints" / "latest"
     _kill_a_fresh_run(tmp_path, "100000", lambda out: aside.is_file())  # its first row: at step 100000
     assert not (out / "checkpoints" / "latest").exists()
-    code, lines = _train([*steps, "--max-steps", "6", "--out", "out"], tmp_path)
+    code, lines = _train_here([*steps, "--max-steps", "6", "--out", "out"], tmp_path, capfd)
     assert code == 0, lines
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 4
     rows = _rows(out)
@@ -268,19 +278,19 @@ def test_a_run_killed_before_its_first_step_leaves_the_earlier_runs_rows_to_the_
     assert not (out / ".earlier-run").exists()
 
 
-def test_a_fresh_run_killed_after_its_first_row_is_not_resumed_from_the_earlier_runs_checkpoint(tmp_path):
+def test_a_fresh_run_killed_after_its_first_row_is_not_resumed_from_the_earlier_runs_checkpoint(tmp_path, capfd):
     """A --no-resume run killed after it logged steps, before its first checkpoint, left the earlier run's `latest`:
     the next run resumed the earlier run's step 4 over the killed run's rows 1-4 (of batches of 1), the earlier run's
     own rows lost. The killed run wrote: the earlier run's files and its `latest` are let go, and the next run
     starts afresh, as the earlier run did (its rows, step for step)."""
     steps = ["--checkpoint-every", "2", "--log-every", "1"]
-    assert _train([*steps, "--max-steps", "4", "--out", "out"], tmp_path)[0] == 0
+    assert _train_here([*steps, "--max-steps", "4", "--out", "out"], tmp_path, capfd)[0] == 0
     out, earlier = tmp_path / "out", _rows(tmp_path / "out")
     metrics = out / "metrics.jsonl"  # set aside: the one there is the killed run's
     _kill_a_fresh_run(tmp_path, "1", lambda out: (out / ".earlier-run").is_dir() and metrics.is_file()
                       and metrics.stat().st_size > 0)
     assert not (out / "checkpoints" / "latest").exists()
-    code, lines = _train([*steps, "--max-steps", "4", "--out", "out"], tmp_path)
+    code, lines = _train_here([*steps, "--max-steps", "4", "--out", "out"], tmp_path, capfd)
     assert code == 0, lines
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 0
     assert _rows(out) == earlier
@@ -316,7 +326,7 @@ def test_the_help_of_out_does_not_say_a_pipeline_keeps_its_model_only_in_its_che
     assert "final model (train: also its checkpoints);" in said and "--pp" not in said, said
 
 
-def test_a_bare_synthetic_dataset_trains_on_the_default_federation_as_the_help_offers(tmp_path):
+def test_a_bare_synthetic_dataset_trains_on_the_default_federation_as_the_help_offers(tmp_path, capfd):
     """--help offered synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]], but plain synthetic (and synthetic:iid) was refused
     for lacking CLIENTS, exit 2: train pools the clients, so a bare name is the generator's default of 100."""
     shown = subprocess.run([*FEDPAR, "train", "--help"], capture_output=True, text=True, timeout=60).stdout
@@ -324,7 +334,7 @@ def test_a_bare_synthetic_dataset_trains_on_the_default_federation_as_the_help_o
     results = {}
     for name in ("synthetic", "synthetic:0.5:0.5:100", "synthetic:iid"):
         out = name.replace(":", "-")
-        code, lines = _train(["--dataset", name, "--out", out], tmp_path)
+        code, lines = _train_here(["--dataset", name, "--out", out], tmp_path, capfd)
         assert code == 0, lines
         summary = json.loads((tmp_path / out / "summary.json").read_text())
         assert (summary["dataset"], summary["steps"]) == (name, 2), summary
