@@ -56,12 +56,12 @@ def test_churned_agents_leave_the_registry_and_only_the_live_ones_stay(start_coo
 
 
 def test_the_example_caps_are_bounded_by_max_agents(start_coordinator):
-    server = start_coordinator(_weights(), min_available=20, liveness_timeout_seconds=1.0, heartbeat_seconds=0.5,
+    server = start_coordinator(_weights(), min_available=20, liveness_timeout_seconds=0.5, heartbeat_seconds=0.25,
                                max_agents=20)
     for i in range(60):  # three registries' worth of ids, each silent at once: joins never run out of room
         ScriptedAgent(server.address, f"a{i:02d}", num_examples=7).close()
         if i % 19 == 18:
-            time.sleep(1.1)
+            time.sleep(0.6)  # past the liveness timeout
     registry = server.coordinator.registry
     assert server.on_loop(lambda: len(registry.caps)) == 20
     assert list(server.on_loop(registry.snapshot)) == [f"a{i:02d}" for i in range(40, 60)]  # the newest
