@@ -75,8 +75,8 @@ class _Ping(grpc.GenericRpcHandler):
 
 
 def test_a_long_outage_is_said_again_every_remind_seconds_and_its_end_is_said(caplog):
-    """Reconnecting (every call of an agent to its coordinator) with a 1 s reminder: a coordinator unreachable for
-    about 3.5 s is said at once, again every second or so, and once back, that it is back."""
+    """Reconnecting (every call of an agent to its coordinator) with a 0.5 s reminder: a coordinator unreachable for
+    about 1.75 s is said at once, again every half second or so, and once back, that it is back."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     server.add_generic_rpc_handler(_Ping()) if hasattr(server, "add_generic_rpc_handler") else \
         server.add_generic_rpc_handlers((_Ping(),))
@@ -84,13 +84,13 @@ def test_a_long_outage_is_said_again_every_remind_seconds_and_its_end_is_said(ca
     server.start()
     down = grpc.insecure_channel(f"127.0.0.1:{closed_port()}")
     up = grpc.insecure_channel(live)
-    back_at = time.monotonic() + 3.5
+    back_at = time.monotonic() + 1.75
 
     def ping():  # the coordinator's address answers from back_at on (as a restarted one does)
         channel = down if time.monotonic() < back_at else up
         return channel.unary_unary("/fedpar.Probe/Ping")(b"", timeout=5)
 
-    calls = Reconnecting("a", "127.0.0.1:PORT", join=lambda: None, first=0.05, cap=0.1, rng=_Half(), remind=1.0)
+    calls = Reconnecting("a", "127.0.0.1:PORT", join=lambda: None, first=0.05, cap=0.1, rng=_Half(), remind=0.5)
     try:
         with caplog.at_level(logging.DEBUG, logger="fedpar.client"):
             assert calls.call(ping) == b"pong"
@@ -102,7 +102,7 @@ def test_a_long_outage_is_said_again_every_remind_seconds_and_its_end_is_said(ca
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     retries = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "unreachable" in r.getMessage()]
     assert said[0].startswith("a: coordinator unreachable (UNAVAILABLE); retrying in 0.1s (said again when it "
-                              "answers, or every 1 s while it does not)"), said
+                              "answers, or every 0.5 s while it does not)"), said
     reminders = said[1:-1]
     assert 1 <= len(reminders) <= 4 and all(r.startswith("a: coordinator still unreachable after ") and
                                             r.endswith("(UNAVAILABLE); retrying every 0.1s at most")
