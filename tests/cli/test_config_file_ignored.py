@@ -6,21 +6,21 @@ optimizer = "adamw" as if --momentum had been typed; simulate a file's secagg_cl
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
+from support.in_process import run_main
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["train", "--max-steps", "1", "--device", "cpu", "--no-plot"]
 SIMULATE = ["simulate", "--clients", "3", "--rounds", "1", "--quiet"]
 
 
-def _fedpar(argv: list[str], cwd: Path) -> tuple[int, list[str]]:
-    """``fedpar ARGV`` as a real process in ``cwd``: its exit code and its stderr's lines that are not blank."""
-    done = subprocess.run([*FEDPAR, *argv], cwd=cwd, capture_output=True, text=True, timeout=300)
+def _fedpar(argv: list[str], cwd: Path, capfd) -> tuple[int, list[str]]:
+    """``fedpar ARGV`` by its main in this process, from ``cwd`` (what it and its worker processes write to stderr, as
+    a process's): its exit code and its stderr's lines that are not blank."""
+    done = run_main(argv, capfd, cwd)
     return done.returncode, [line for line in done.stderr.splitlines() if line.strip()]
 
 
@@ -30,39 +30,39 @@ def _config(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_train_goes_on_past_a_config_files_momentum_its_optimizer_ignores_with_one_note(tmp_path):
+def test_train_goes_on_past_a_config_files_momentum_its_optimizer_ignores_with_one_note(tmp_path, capfd):
     config = _config(tmp_path, '[train]\noptimizer = "adamw"\nmomentum = 0.9\n')
-    code, lines = _fedpar([*TRAIN, "--config", str(config), "--out", "out"], tmp_path)
+    code, lines = _fedpar([*TRAIN, "--config", str(config), "--out", "out"], tmp_path, capfd)
     assert (code, lines) == (0, [f"fedpar train: note: ignored from {config}: momentum (it needs --optimizer sgd)"])
     assert (tmp_path / "out" / "global.safetensors").exists()
 
 
-def test_train_notes_a_config_files_momentum_that_a_typed_optimizer_leaves_unused(tmp_path):
+def test_train_notes_a_config_files_momentum_that_a_typed_optimizer_leaves_unused(tmp_path, capfd):
     config = _config(tmp_path, "[train]\nmomentum = 0.8\n")
-    code, lines = _fedpar([*TRAIN, "--config", str(config), "--optimizer", "adamw", "--out", "out"], tmp_path)
+    code, lines = _fedpar([*TRAIN, "--config", str(config), "--optimizer", "adamw", "--out", "out"], tmp_path, capfd)
     assert (code, lines) == (0, [f"fedpar train: note: ignored from {config}: momentum (it needs --optimizer sgd)"])
 
 
-def test_train_still_refuses_a_typed_momentum_its_optimizer_ignores_and_says_no_note(tmp_path):
+def test_train_still_refuses_a_typed_momentum_its_optimizer_ignores_and_says_no_note(tmp_path, capfd):
     config = _config(tmp_path, '[train]\noptimizer = "adamw"\nmomentum = 0.9\nblock_size = 8\n')
-    code, lines = _fedpar([*TRAIN, "--config", str(config), "--momentum", "0.9", "--out", "out"], tmp_path)
+    code, lines = _fedpar([*TRAIN, "--config", str(config), "--momentum", "0.9", "--out", "out"], tmp_path, capfd)
     assert (code, lines) == (2, ["fedpar train: this run would ignore --momentum (it needs --optimizer sgd): drop it, "
                                  "or give what it needs"])
     assert not (tmp_path / "out").exists()
 
 
-def test_simulate_goes_on_past_a_config_files_secagg_clip_without_secure_aggregation_with_one_note(tmp_path):
+def test_simulate_goes_on_past_a_config_files_secagg_clip_without_secure_aggregation_with_one_note(tmp_path, capfd):
     config = _config(tmp_path, "[simulate]\nsecagg_clip = 1.0\n")
-    code, lines = _fedpar([*SIMULATE, "--config", str(config), "--out", "out"], tmp_path)
+    code, lines = _fedpar([*SIMULATE, "--config", str(config), "--out", "out"], tmp_path, capfd)
     assert (code, lines) == (0, [f"fedpar simulate: note: ignored from {config}: secagg_clip (it needs "
                                  "--secure-aggregation)"])
     assert (tmp_path / "out" / "summary.json").exists()
 
 
-def test_simulate_says_a_config_files_ignored_keys_in_one_note_once_though_the_run_checks_them_again(tmp_path):
+def test_simulate_says_a_config_files_ignored_keys_in_one_note_once_though_the_run_checks_them_again(tmp_path, capfd):
     """The compression and privacy checks run again as the run is built (for a service's runs): said once."""
     config = _config(tmp_path, "[simulate]\ntopk_ratio = 0.2\nprivacy_noise = 1.2\n")
-    code, lines = _fedpar([*SIMULATE, "--config", str(config), "--out", "out"], tmp_path)
+    code, lines = _fedpar([*SIMULATE, "--config", str(config), "--out", "out"], tmp_path, capfd)
     assert (code, lines) == (0, [f"fedpar simulate: note: ignored from {config}: topk_ratio (it needs --compression "
                                  "topk), privacy_noise (it needs --privacy central or --privacy client)"])
 
@@ -72,9 +72,9 @@ def test_simulate_says_a_config_files_ignored_keys_in_one_note_once_though_the_r
      "--secagg-clip applies only with --secure-aggregation; add it (or drop the option)"),
     ('[simulate.task_options]\ncsv = "y"\n', ["--task-option", "csv=x"], "--task-option needs --task"),
 ])
-def test_simulate_still_refuses_the_typed_flag_and_says_no_note(written, typed, line, tmp_path):
+def test_simulate_still_refuses_the_typed_flag_and_says_no_note(written, typed, line, tmp_path, capfd):
     config = _config(tmp_path, f"[simulate]\n{written}")
-    code, lines = _fedpar([*SIMULATE, "--config", str(config), *typed, "--out", "out"], tmp_path)
+    code, lines = _fedpar([*SIMULATE, "--config", str(config), *typed, "--out", "out"], tmp_path, capfd)
     assert (code, lines) == (2, [f"fedpar simulate: {line}"])
     assert not (tmp_path / "out").exists()
 
