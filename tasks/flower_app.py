@@ -27,8 +27,10 @@ Its settings (``--flower-app``, ``--run-config``) are declared in ``fedpar.task.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import re
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -318,6 +320,7 @@ def _load(folder: Path, ref: str, what: str) -> Any:
     """The object ``ref`` names, imported with ``folder`` on sys.path (Flower's loader)."""
     from flwr.supercore.object_ref import load_app
 
+    _import_from(folder, ref.partition(":")[0])
     try:
         return load_app(ref, FlowerAppError, folder)
     except FlowerAppError as exc:
@@ -325,6 +328,27 @@ def _load(folder: Path, ref: str, what: str) -> Any:
         raise FlowerAppError(f"{folder}: {what} = {ref!r}: {first_line}") from None
     except Exception as exc:  # the app's own import failing
         raise FlowerAppError(f"{folder}: importing {what} = {ref!r} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _import_from(folder: Path, module: str) -> None:
+    """Make ``module`` (of a Flower App in ``folder``) import from ``folder``: Flower's loader takes a module of that
+    name already imported, or the first folder on sys.path holding one, so the second of two apps whose packages share
+    a name (e.g. both made by ``flwr new``) ran the first one's code. The app's own package is imported afresh when
+    one of that name from elsewhere was imported; a module the folder does not hold (an installed package) is left."""
+    top = module.split(".")[0]
+    folder = folder.absolute()
+    if not ((folder / top).is_dir() or (folder / f"{top}.py").is_file()):
+        return
+    loaded = sys.modules.get(top)
+    if loaded is not None:
+        where = getattr(loaded, "__file__", None) or next(iter(getattr(loaded, "__path__", None) or []), None)
+        if where is None or not Path(where).resolve().is_relative_to(folder.resolve()):
+            for name in [name for name in sys.modules if name == top or name.startswith(top + ".")]:
+                del sys.modules[name]
+    while str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
+    importlib.invalidate_caches()
 
 
 def _component(app: FlowerApp, ref: str, key: str, kind: type) -> Any:
