@@ -86,8 +86,9 @@ class OneShotService(RunService):
             server.on_listening = lambda port: atomic_write_bytes(self.args.port_file, [f"{port}\n".encode()])
 
     def _refused(self, run, line: str) -> None:
-        """An agent refused for its task: said on the terminal too (the agent says it, and exits)."""
-        print(f"fedpar serve: {line}", file=sys.stderr, flush=True)
+        """An agent refused for its task: said on the terminal too (the agent says it, and exits), as a warning: the
+        run goes on with the agents that have its task ('fedpar serve: LINE' alone is how serve says it stops)."""
+        print(f"fedpar serve: warning: {line}; this run goes on without it", file=sys.stderr, flush=True)
         self.store.log(run.id, line)
 
     def listening(self, server, plan) -> None:

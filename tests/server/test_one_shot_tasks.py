@@ -69,7 +69,9 @@ def test_one_shot_serve_refuses_an_agent_with_another_model_in_one_line_and_trai
     assert "tasks," not in refused.stdout, refused.stdout  # no task reached it
     assert agents[0].returncode == 0 and "b: 1 task, 1 update accepted, 0 refused" in b_out, b_out + b_err
     assert serve.returncode == 0 and "Traceback" not in serve_err, served + serve_err
-    assert [line for line in serve_err.splitlines() if "cannot take part" in line] == [f"fedpar serve: {REFUSED}"]
+    # a warning: serve goes on (its 'fedpar serve: ...' lines alone are those it stops with)
+    assert [line for line in serve_err.splitlines() if "cannot take part" in line] == [
+        f"fedpar serve: warning: {REFUSED}; this run goes on without it"]
 
 
 def test_which_declared_tasks_one_shot_serve_takes():
