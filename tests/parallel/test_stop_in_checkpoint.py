@@ -17,6 +17,7 @@ import pytest
 from fedpar.parallel.checkpoint import check_checkpoint, latest_checkpoint
 from fedpar.parallel.init import LaunchStopped
 from fedpar.parallel.stopping import StopRequested
+from support.in_process import run_main
 
 FEDPAR = [sys.executable, "-m", "fedpar"]
 
@@ -128,13 +129,14 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_a_fresh_run_stopped_in_its_first_checkpoint_leaves_the_earlier_runs_checkpoint_whole_and_resumable(
-        tmp_path):
+        tmp_path, capfd):
     """QA: `fedpar train --no-resume --nproc 2` over an earlier run whose `latest` named step-00000001, stopped as it
     wrote its own step-00000001, had removed the earlier one first and written into its folder; having written
     nothing else, it put the earlier `latest` back, naming an empty folder: 'latest names step-00000001, which holds no
     complete checkpoint' (exit 2). A checkpoint is now written whole under another name and takes the name after."""
     train = ["train", "--dataset", "digits", "--checkpoint-every", "1", "--device", "cpu", "--no-plot", "--out", "r"]
-    assert subprocess.run([*FEDPAR, *train, "--max-steps", "1"], cwd=tmp_path, capture_output=True).returncode == 0
+    # the earlier run and the resume by fedpar's main in this process; the stopped run is a process of its own
+    assert run_main([*train, "--max-steps", "1"], capfd, tmp_path).returncode == 0
     step = tmp_path / "r" / "checkpoints" / "step-00000001"
     kept = {p.name: p.read_bytes() for p in step.iterdir()}
     done = subprocess.run([sys.executable, "-c", STOPPED_IN_FIRST_SAVE, *train, "--max-steps", "5", "--no-resume",
@@ -144,7 +146,6 @@ def test_a_fresh_run_stopped_in_its_first_checkpoint_leaves_the_earlier_runs_che
         "resumes from its checkpoint step-00000001\n"), done.stderr
     assert latest_checkpoint(tmp_path / "r" / "checkpoints") == step
     assert {p.name: p.read_bytes() for p in step.iterdir()} == kept  # the earlier run's, as it was
-    again = subprocess.run([*FEDPAR, *train, "--max-steps", "3"], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=240)
+    again = run_main([*train, "--max-steps", "3"], capfd, tmp_path)
     assert again.returncode == 0 and "resumed from" in again.stdout + again.stderr, again.stderr
     assert not list(step.parent.glob("*.partial"))  # what the stopped save left goes once a checkpoint is complete
