@@ -92,13 +92,19 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path, capfd):
 
 
 def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
-    """The exit code and stderr lines of ``fedpar ARGV`` run in this process (a parse error: argparse's SystemExit)."""
+    """The exit code and stderr lines of ``fedpar ARGV`` run in this process (a parse error: argparse's SystemExit);
+    the torch threads an agent's command sets for itself are put back after."""
+    import torch
+
     from fedpar.cli.main import main
 
+    threads = torch.get_num_threads()
     try:
         code = main(argv)
     except SystemExit as exc:
         code = exc.code
+    finally:
+        torch.set_num_threads(threads)
     return code, capsys.readouterr().err.strip().splitlines()
 
 
