@@ -34,6 +34,15 @@ def _until_checkpointed(run: subprocess.Popen, cwd: Path) -> None:
         time.sleep(0.2)
 
 
+def _until_checkpointed_again(run: subprocess.Popen, cwd: Path, latest: str) -> None:
+    """Wait until the restarted coordinator publishes a checkpoint after ``latest``: the refusal and the SIGINT
+    below then come while it runs, not while it starts (a fresh refusing process took as long as the restart)."""
+    end = time.monotonic() + 180
+    while (cwd / "D" / "LATEST").read_text() == latest:
+        assert run.poll() is None and time.monotonic() < end, run.communicate()
+        time.sleep(0.05)
+
+
 def _coordinator(launcher: int) -> int:
     """The launcher's child that runs the coordinator (forked: the same command line)."""
     line = Path(f"/proc/{launcher}/cmdline").read_bytes()
@@ -57,7 +66,9 @@ def test_a_second_run_on_a_live_checkpoint_folder_is_refused_across_the_coordina
         _refused(tmp_path, run, 2000, capfd)
         _refused(tmp_path, run, 1, capfd)  # said 'nothing to train' and rewrote O/summary.json under the running run
         assert not (tmp_path / "O" / "summary.json").exists()
+        before_kill = (tmp_path / "D" / "LATEST").read_text()
         os.kill(_coordinator(run.pid), signal.SIGKILL)  # the launcher starts it again: it still holds the folder
+        _until_checkpointed_again(run, tmp_path, before_kill)
         _refused(tmp_path, run, 2000, capfd)
         run.send_signal(signal.SIGINT)
         _, err = run.communicate(timeout=120)
