@@ -18,7 +18,7 @@ from fedpar.cli.log_level import setup_logging
 from fedpar.cli.renamed import add_negated_key
 from fedpar.cli.task_options import check_nothing_replaced
 from fedpar.cli.tlsopts import add_tls_arguments, client_security
-from fedpar.cli.user_errors import say_agent_interrupted
+from fedpar.cli.user_errors import agent_exit_code, say_agent_interrupted
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.parallel.config import ConfigurationError, Device, Precision
 from fedpar.sections import Seeded
@@ -174,4 +174,4 @@ def run(args: argparse.Namespace) -> int:
         say_agent_interrupted(agent.stats.summary())
         return exit_code(signal_name(exc))  # 130, 143
     print(f"agent {args.agent_id}: {stats.summary()}", flush=True)
-    return 0
+    return agent_exit_code(args.agent_id, stats)

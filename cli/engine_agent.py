@@ -18,7 +18,7 @@ from fedpar.cli.agent_setup import agent_config, agent_data, agent_task, id_take
 from fedpar.cli.declared import add_declared, from_args
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.renamed import add_replicas_renamed
-from fedpar.cli.user_errors import say_agent_interrupted
+from fedpar.cli.user_errors import agent_exit_code, say_agent_interrupted
 from fedpar.client.stats import AgentStats
 from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, ParallelLayout
 from fedpar.settings import setting
@@ -281,4 +281,4 @@ def _drive(args: argparse.Namespace, trainer, config, task_name: str, world: int
     print(f"agent {args.agent_id}: {stats.summary()}", flush=True)
     if driving is not None:
         driving.append("said")
-    return 0
+    return agent_exit_code(args.agent_id, stats)

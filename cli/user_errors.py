@@ -186,6 +186,17 @@ def say_agent_interrupted(summary: str | None) -> None:
           flush=True)
 
 
+def agent_exit_code(agent_id: str, stats) -> int:
+    """An agent's exit code once its coordinator ended the run: 1, with one line saying so, when every task it had was
+    failed or refused (an operator's supervisor then sees the agent took no part), else 0 (``stats``: its
+    AgentStats)."""
+    none_taken = stats.none_taken()
+    if none_taken is None:
+        return 0
+    print(f"fedpar client: {agent_id}: {none_taken}", file=sys.stderr, flush=True)
+    return 1
+
+
 def run_exit_code(command: str, summary: dict, signal_name: str | None = None, task: str | None = None) -> int:
     """128 + the number of the signal that stopped an interrupted run (130 for SIGINT, the default; 143 for
     SIGTERM), 1 (with one line saying so: the members' own failure when their code failed the last round's tasks,

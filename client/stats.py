@@ -25,3 +25,11 @@ class AgentStats:
             return f"{counted(self.tasks, 'task')}, {counted(self.accepted, 'update')} accepted, {self.refused} refused"
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.answered.items()))
         return f"{counted(self.tasks, 'message')}, {sum(self.answered.values())} answered ({kinds}), {self.refused} failed"
+
+    def none_taken(self) -> str | None:
+        """Why an agent that had tasks gave not one update (or answer) the coordinator took, when each was failed or
+        refused: what it did, and the first reason; None when one was taken, or when it had no task."""
+        if not self.tasks or self.accepted or self.answered or not self.refused:
+            return None
+        first = f" (the first: {self.refusals[0]})" if self.refusals else ""
+        return f"none of its {counted(self.tasks, 'task')} ended in an update the coordinator took{first}"

@@ -128,11 +128,14 @@ def test_a_deployed_agent_whose_task_raises_tells_the_coordinator_and_keeps_serv
     out = tasks.parent / "served"
     started = time.monotonic()
     rc, stdout, stderr, served, serve = _serve_one_agent(tasks, capfd, ref, out, [], timeout=60)
-    assert rc == 0, stdout + stderr
+    assert rc == 1, stdout + stderr  # it took no part: exit 0 told its supervisor all was well
     assert "Traceback" not in stdout + stderr, stderr
     for round_id in (1, 2):  # the agent's own log: one line a round
         assert f"alice: round {round_id} task refused: training raised ValueError: this loss is broken" in stderr
     assert "2 tasks, 0 updates accepted, 2 refused" in stdout
+    assert stderr.strip().splitlines()[-1] == (
+        "fedpar client: alice: none of its 2 tasks ended in an update the coordinator took (the first: round 1 task: "
+        "training raised ValueError: this loss is broken)"), stderr
     assert serve.returncode == 1 and "Traceback" not in served, served
     assert served.strip().splitlines()[-1] == (f"fedpar serve: every round failed (2 of 2): the task's training "
                                                f"raised ValueError: this loss is broken: fix the task ({ref})")
