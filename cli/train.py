@@ -230,10 +230,13 @@ def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: Ear
         kept_step = getattr(exc, "kept_step", None)  # set where the model of the last whole step was written
         summary = write_interrupted_summary(Path(cfg.out), cfg.model, cfg.dataset, world,
                                             time.perf_counter() - started, cfg.to_dict(), kept_step)
-        steps, model = ((counted(kept_step, "step"), ", global.safetensors and global.json") if kept_step is not None
-                        else (counted(summary["steps"], "logged step"), ""))
-        wrote = f"nothing to {cfg.out}" if _settled(earlier) else f"{cfg.out}/summary.json{model}"
-        print(f"fedpar train: interrupted after {steps}; wrote {wrote}{_resume_hint(cfg)}", file=sys.stderr)
+        from fedpar.simulations.run_outputs import RunOutputs
+
+        steps = counted(kept_step, "step") if kept_step is not None else counted(summary["steps"], "logged step")
+        written = [name for name in ("metrics.jsonl", "metrics.csv", "summary.json") if (Path(cfg.out) / name).is_file()]
+        written += ["global.safetensors", "global.json"] if kept_step is not None else []
+        wrote = RunOutputs(summary, [] if _settled(earlier) else written).wrote_line(Path(cfg.out))
+        print(f"fedpar train: interrupted after {steps}; {wrote}{_resume_hint(cfg)}", file=sys.stderr)
         return exit_code(signal_name(exc))
     except RankFailed as exc:  # not the user's settings (those are said before any rank starts): say which rank
         _raise_if_reader_left(exc)

@@ -113,7 +113,8 @@ def test_ctrl_c_stops_both_ranks_with_one_line_130_and_the_run_resumes(tmp_path,
     assert _left_behind(proc.pid) == []  # no rank left behind
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert lines[0].startswith("fedpar train: interrupted after ") and \
-        lines[0].endswith(f"/summary.json; the same command resumes from its checkpoint {latest}"), lines
+        lines[0].endswith(f"/metrics.jsonl, metrics.csv and summary.json; the same command resumes from its checkpoint "
+                          f"{latest}"), lines
     step = int(latest.split("-")[1])
     for name in LAUNCHED:
         monkeypatch.delenv(name, raising=False)

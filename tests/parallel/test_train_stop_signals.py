@@ -56,13 +56,13 @@ def test_a_stop_signal_to_train_writes_the_summary_and_model_with_one_line(tmp_p
         kept = json.loads((out / "global.json").read_text())  # step is the summary's, logged or not
         step = kept["metrics"]["step"]
         assert kept["interrupted"] is True and step >= steps[-1] >= 2 and summary["steps"] == step
-        assert err.startswith(f"fedpar train: interrupted after {step} steps; wrote {out}/summary.json, "
-                              "global.safetensors and global.json; nothing to resume from"), err
+        assert err.startswith(f"fedpar train: interrupted after {step} steps; wrote {out}/metrics.jsonl, metrics.csv, "
+                              "summary.json, global.safetensors and global.json; nothing to resume from"), err
         assert load_file(out / "global.safetensors")
     else:
         assert summary["steps"] == steps[-1] >= 2
-        assert err.startswith(f"fedpar train: interrupted after {steps[-1]} logged steps; wrote {out}/summary.json; "
-                              "nothing to resume from"), err
+        assert err.startswith(f"fedpar train: interrupted after {steps[-1]} logged steps; wrote {out}/metrics.jsonl, "
+                              "metrics.csv and summary.json; nothing to resume from"), err
 
 
 def test_sigterm_to_train_task_says_it_was_interrupted_in_one_line_with_143(tmp_path):
