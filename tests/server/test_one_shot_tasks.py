@@ -47,14 +47,9 @@ def test_one_shot_serve_refuses_an_agent_with_another_model_in_one_line_and_trai
         address = f"127.0.0.1:{_port(serve, tmp_path / 'port')}"
         client = ["client", "--server", address, "--insecure", "--threads", "1", "--poll", "1", "--give-up-after",
                   "20"]
-        # a, the default mlp: its refusal by the client's main in this process (the environment it sets for itself
-        # is put back after); b, once a is gone, a process that trains
-        environment = dict(os.environ)
-        try:
-            refused = run_main([*client, "--agent-id", "a"], capfd, cwd=tmp_path)
-        finally:
-            os.environ.clear()
-            os.environ.update(environment)
+        # a, the default mlp: its refusal by the client's main in this process; b, once a is gone, a process that
+        # trains
+        refused = run_main([*client, "--agent-id", "a"], capfd, cwd=tmp_path)
         agents.append(subprocess.Popen([*FEDPAR, *client, "--agent-id", "b", "--model", "cnn"], cwd=tmp_path,
                                        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV))
         b_out, b_err = agents[-1].communicate(timeout=90)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from support.in_process_kept import run_main_keeping_env as run_main
+from support.in_process import run_main as run_main
 from support.processes import children
 
 SIMULATE = [sys.executable, "-m", "fedpar", "simulate", "--clients", "20", "--clients-per-round", "4", "--quiet",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from support.in_process_kept import run_main_keeping_env as run_main
+from support.in_process import run_main as run_main
 
 SIMULATE = [sys.executable, "-m", "fedpar", "simulate", "--clients", "20", "--clients-per-round", "5", "--rounds",
             "2", "--quiet"]

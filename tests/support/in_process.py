@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+@contextlib.contextmanager
+def environment_put_back() -> Iterator[None]:
+    """os.environ and the SIGUSR1 handler as they were, after a command's main ran here: main sets GRPC_VERBOSITY,
+    TORCH_CPP_LOG_LEVEL and OMP_WAIT_POLICY for its own process (setdefault) and a handler that dumps stacks, which a
+    later test (and the processes it starts with os.environ) would otherwise inherit."""
+    environment, on_usr1 = dict(os.environ), signal.getsignal(signal.SIGUSR1)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+        signal.signal(signal.SIGUSR1, on_usr1)
 
 
 @contextlib.contextmanager
@@ -36,14 +52,15 @@ def run_main(argv: list[str], capfd, cwd: Path | str | None = None) -> subproces
     """`fedpar ARGV` by its main in this process, from ``cwd``: its exit code, and what it and the processes it
     started wrote to stdout and stderr (file descriptors 1 and 2, captured by ``capfd``, its log included), as a
     subprocess's would be (a SystemExit, as argparse's refusal of an option raises, gives its code). The torch
-    threads a command sets for itself (client --threads) are put back after."""
+    threads a command sets for itself (client --threads) are put back after, and so are the environment and the
+    signal handler it sets (:func:`environment_put_back`)."""
     import torch
 
     from fedpar.cli.main import main
 
     capfd.readouterr()
     threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp, logging_as_a_fresh_process():
+    with pytest.MonkeyPatch.context() as mp, logging_as_a_fresh_process(), environment_put_back():
         if cwd is not None:
             mp.chdir(cwd)
         try:
@@ -60,13 +77,14 @@ def run_main(argv: list[str], capfd, cwd: Path | str | None = None) -> subproces
 
 def main_here(*argv: str) -> subprocess.CompletedProcess:
     """`fedpar ARGV` run by its main in this process, without pytest's capture: its exit code (a usage error's
-    SystemExit too) and what it printed, as a finished process's."""
+    SystemExit too) and what it printed, as a finished process's (the environment put back after, as by
+    :func:`run_main`)."""
     import io
 
     from fedpar.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), environment_put_back():
         try:
             code = main(list(argv))
         except SystemExit as exc:
