@@ -215,8 +215,10 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
                 if context is not None:
                     stop_ranks(context.processes, stop_grace)
                 # A rank 0 that this stop ended before it took stops itself (a spawned rank still starts its
-                # interpreter and imports torch: seconds) said nothing of it; the caller may say it instead.
-                silent = context is None or context.processes[0].exitcode == -signal.SIGTERM
+                # interpreter and imports torch: seconds), or that a signal had ended just before (kill -9, then
+                # Ctrl-C at once), said nothing of it; the caller may say it instead.
+                exitcode = None if context is None else context.processes[0].exitcode
+                silent = exitcode is None or exitcode < 0
                 raise LaunchStopped(exc.signum if isinstance(exc, StopRequested) else signal.SIGINT, silent) from None
         return
 
