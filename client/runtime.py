@@ -244,7 +244,7 @@ class ClientRuntime:
             self.conn.check_ingest(task)
         except ValueError as err:
             self._note_refusal(self.members.member_id(i), f"round {task.round} task", err)
-            self.link.failed(i, task, f"task refused: {err}"[:MAX_REASON_CHARS])
+            self._told_failed(i, task, f"task refused: {err}"[:MAX_REASON_CHARS])
             return False
         return True
 
@@ -327,7 +327,7 @@ class ClientRuntime:
             settings = TaskSettings.from_json(task.extra_json)
         except ValueError as err:  # told, as a task's bad knobs are: no update will come for it, whatever the wait
             self._note_refusal(member, "task settings", err)
-            self.link.failed(i, task, f"task refused: {err}"[:MAX_REASON_CHARS])
+            self._told_failed(i, task, f"task refused: {err}"[:MAX_REASON_CHARS])
             return True
         data_plane = self.data_plane(task)
         mode = (self.secure.take(task) if settings.secure_aggregation else None) or \
@@ -364,7 +364,7 @@ class ClientRuntime:
                 return True
             except UpdateRefused as err:  # e.g. a Flower ClientApp's reply that cannot be an update
                 self._note_refusal(member, f"round {task.round} train", err, logging.WARNING)  # the user's code
-                self.link.failed(i, task, f"training made no update: {err}")
+                self._told_failed(i, task, f"training made no update: {err}")
                 return True
             except Exception as err:  # the task's code, say (its training step raised)
                 return self._failed(seat, i, task, "training", err)
@@ -380,7 +380,7 @@ class ClientRuntime:
             except UpdateRefused as err:  # training diverged: told at once, so the round need not wait for it
                 self._note_refusal(member, f"round {task.round} update", f"{err}: not sent",
                                    logging.INFO if self.members.population else logging.WARNING)
-                self.link.failed(i, task, str(err)[:MAX_REASON_CHARS])
+                self._told_failed(i, task, str(err)[:MAX_REASON_CHARS])
                 return True
         if uploaded:
             self._count("accepted")
@@ -424,7 +424,7 @@ class ClientRuntime:
         # a deployed agent's log is its operator's only view; a population's members are said by the coordinator
         self._note_refusal(member, f"round {task.round} task", reason,
                            logging.INFO if self.members.population else logging.WARNING)
-        self.link.failed(i, task, reason)
+        self._told_failed(i, task, reason)
         return True
 
     def _reply(self, i: int, member: str, auth: pb.AgentAuth, task: pb.TrainTask) -> bool:
@@ -440,6 +440,7 @@ class ClientRuntime:
             self._note_refusal(member, "message", err)
             return True
         if reply.error is not None:  # Flower's error reply still goes up (the ServerApp counts it), as no update
+            self._count("failed")
             self._note_refusal(member, f"round {task.round} message", reply.error, logging.DEBUG)  # warned already
         request = pb.MessageReply(auth=auth, round=task.round, task_id=task.task_id, message=reply.data)
         backoff = Backoff(0.1, 2.0, self._rng)
@@ -486,7 +487,7 @@ class ClientRuntime:
                 self._note_refusal(member, "download", err)
                 if isinstance(err, CodecError):  # no update will come, whatever the wait
                     reason = err.reason() if isinstance(err, ModelMismatch) else f"download refused: {err}"
-                    self.link.failed(i, task, reason[:MAX_REASON_CHARS])
+                    self._told_failed(i, task, reason[:MAX_REASON_CHARS])
                 if isinstance(err, ModelMismatch) and not self.members.population:  # no round ever will: stop
                     raise FatalAgentError(err.refusal(self.config.agent_id)) from None
                 if isinstance(err, grpc.RpcError) and err.code() in RETRYABLE:
@@ -598,6 +599,12 @@ class ClientRuntime:
         except dataplane.DataPlaneError as err:
             log.info("%s: data-plane %s failed (%s); using the gRPC stream", self.config.agent_id, what, err)
             return None
+
+    def _told_failed(self, i: int, task: pb.TrainTask, reason: str) -> None:
+        """Member ``i``'s side failed ``task`` (its code raised, it refused the task, its download did not fit):
+        counted, and told to the coordinator (``reason``: one line) so the round need not wait for it."""
+        self._count("failed")
+        self.link.failed(i, task, reason)
 
     def _count(self, what: str) -> None:
         with self._stats_lock:

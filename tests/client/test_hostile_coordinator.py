@@ -45,7 +45,10 @@ def test_a_task_whose_knobs_would_train_garbage_is_refused_in_one_line_and_told(
     coordinator = HostileCoordinator([inline_task(layout, weights_of(layout, 0.01), task_id=f"t{n}", **knobs)
                                       for n, knobs in enumerate(bad)])
     code, out = _served(coordinator, tmp_path, capfd=capfd)
-    assert code == 0 and "Traceback" not in out, out
+    assert code == 1 and "Traceback" not in out, out  # it took part in no round: its supervisor is to know
+    assert _log_lines(out)[-1] == ("fedpar client: a: none of its 10 tasks ended in an update the coordinator took "
+                                   "(the first: round 1 task: the task's learning rate must be a finite number > 0, "
+                                   "got nan)"), out
     assert coordinator.uploads == [], out
     refused = [line for line in _log_lines(out) if re.search(r"round \d+ task refused: the task", line)]
     assert len(refused) == len(bad), out
@@ -58,7 +61,9 @@ def test_training_that_diverges_is_not_uploaded(layout, tmp_path, capfd):
     """A finite learning rate so large that training overflows: the old agent uploaded the Inf/NaN weights."""
     coordinator = HostileCoordinator([inline_task(layout, weights_of(layout, 0.01), learning_rate=1e38)])
     code, out = _served(coordinator, tmp_path, capfd=capfd)
-    assert code == 0 and "Traceback" not in out, out
+    assert code == 1 and "Traceback" not in out, out  # its one task failed here: said last, as its exit code says
+    assert _log_lines(out)[-1].startswith("fedpar client: a: none of its 1 task ended in an update the coordinator "
+                                          "took (the first: round 1 task: training failed: "), out
     assert coordinator.uploads == [], out
     said = "training failed: task 'mlp on digits': the training loss is nan (lr 1e+38): training diverged (lower --lr)"
     assert f"round 1 task refused: {said}" in out, out
