@@ -33,19 +33,28 @@ def logging_as_a_fresh_process() -> Iterator[None]:
     """The root logger without pytest's handlers while a command's main runs here: its setup_logging
     (logging.basicConfig) then logs to sys.stderr as it would in a process of its own, and so does a process it forks
     (which inherits the handler), so that capfd holds what the process's stderr would have. The levels start as a
-    fresh process's (root WARNING, the fedpar logger unset: an earlier in-process command may have set it); pytest's
-    handlers, the root's level and the fedpar logger's are put back after."""
+    fresh process's (root WARNING, the fedpar logger unset: an earlier in-process command may have set it), and
+    Flower's console handler writes to the standard error of now; pytest's handlers, the root's level, the fedpar
+    logger's and Flower's handler's stream are put back after."""
     root, fedpar = logging.getLogger(), logging.getLogger("fedpar")
     handlers, level, fedpar_level = root.handlers[:], root.level, fedpar.level
+    # Flower's console handler holds the sys.stderr of the moment flwr was imported: under pytest, the capture of the
+    # test that first imported it (gone since); a fresh process's writes to its standard error
+    flower = [(h, h.stream) for h in logging.getLogger("flwr").handlers if type(h) is not logging.FileHandler
+              and isinstance(h, logging.StreamHandler)]
     root.handlers.clear()
     root.setLevel(logging.WARNING)
     fedpar.setLevel(logging.NOTSET)
+    for handler, _ in flower:
+        handler.stream = sys.stderr  # not setStream: it flushes the stream it replaces, which may be closed
     try:
         yield
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
         fedpar.setLevel(fedpar_level)
+        for handler, stream in flower:
+            handler.stream = stream
 
 
 def run_main(argv: list[str], capfd, cwd: Path | str | None = None) -> subprocess.CompletedProcess:
