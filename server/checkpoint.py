@@ -230,12 +230,7 @@ def load_checkpoint_model(root: Path) -> tuple[int, list[str], list[np.ndarray],
         raise CheckpointError(f"{pointer} names {name!r}, which is a link to {directory.resolve()}, outside {root}; "
                               f"checkpoints are read only from real directories in it", _older_hint(root, None))
     round_id = int(match.group(1))
-    try:
-        names, arrays, meta = load_tensors(directory / "global.safetensors")
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"checkpoint file {exc.filename} is missing", _older_hint(root, round_id)) from None
-    except CodecError as exc:  # the message starts with the file's path
-        raise CheckpointError(f"damaged checkpoint: {exc}", _older_hint(root, round_id)) from None
+    names, arrays, meta = _checkpoint_tensors(directory / "global.safetensors", root, round_id)
     if meta.get("round") != str(round_id):
         raise CheckpointError(f"{directory}: global.safetensors says round {meta.get('round')!r}, but the directory "
                               f"is for round {round_id}", _older_hint(root, round_id))
@@ -246,6 +241,17 @@ def load_checkpoint_model(root: Path) -> tuple[int, list[str], list[np.ndarray],
     return round_id, names, arrays, directory
 
 
+def _checkpoint_tensors(path: Path, root: Path, round_id: int) -> tuple[list[str], list[np.ndarray], dict]:
+    """The tensors of the file ``path`` of round ``round_id``'s checkpoint under ``root``; CheckpointError (with what
+    to do instead) when it is missing or damaged."""
+    try:
+        return load_tensors(path)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint file {exc.filename} is missing", _older_hint(root, round_id)) from None
+    except CodecError as exc:  # the message starts with the file's path
+        raise CheckpointError(f"damaged checkpoint: {exc}", _older_hint(root, round_id)) from None
+
+
 def load_checkpoint(root: Path) -> Checkpoint | None:
     """The latest checkpoint under ``root``, or None if there is none; raises CheckpointError if it is damaged."""
     root = Path(root)
@@ -253,12 +259,7 @@ def load_checkpoint(root: Path) -> Checkpoint | None:
     if model is None:
         return None
     round_id, names, arrays, directory = model
-    try:
-        skeys, sarrays, _ = load_tensors(directory / "strategy.safetensors")
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"checkpoint file {exc.filename} is missing", _older_hint(root, round_id)) from None
-    except CodecError as exc:  # the message starts with the file's path
-        raise CheckpointError(f"damaged checkpoint: {exc}", _older_hint(root, round_id)) from None
+    skeys, sarrays, _ = _checkpoint_tensors(directory / "strategy.safetensors", root, round_id)
     state = _load_state(directory / "state.json", root, round_id)
     if state.get("round") != round_id:
         raise CheckpointError(f"{directory}: state.json says round {state.get('round')!r}, but the directory is for "
