@@ -233,7 +233,8 @@ def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: Ear
         from fedpar.simulations.run_outputs import RunOutputs
 
         steps = counted(kept_step, "step") if kept_step is not None else counted(summary["steps"], "logged step")
-        written = [name for name in ("metrics.jsonl", "metrics.csv", "summary.json") if (Path(cfg.out) / name).is_file()]
+        written = [name for name in ("metrics.jsonl", "metrics.csv", "summary.json")
+                   if (Path(cfg.out) / name).is_file()]
         written += ["global.safetensors", "global.json"] if kept_step is not None else []
         wrote = RunOutputs(summary, [] if _settled(earlier) else written).wrote_line(Path(cfg.out))
         print(f"fedpar train: interrupted after {steps}; {wrote}{_resume_hint(cfg)}", file=sys.stderr)

@@ -187,9 +187,9 @@ def say_agent_interrupted(summary: str | None) -> None:
 
 
 def agent_exit_code(agent_id: str, stats) -> int:
-    """An agent's exit code once its coordinator ended the run: 1, with one line saying so, when every task it had was
-    failed or refused (an operator's supervisor then sees the agent took no part), else 0 (``stats``: its
-    AgentStats)."""
+    """An agent's exit code once its coordinator ended the run: 1, with one line saying so, when none of its tasks
+    ended in an update taken and its own side failed one at least (AgentStats.none_taken: an operator's supervisor
+    then sees the agent took no part), else 0 (``stats``: its AgentStats)."""
     none_taken = stats.none_taken()
     if none_taken is None:
         return 0

@@ -20,10 +20,10 @@ from google.protobuf.message import DecodeError
 from fedpar.client.transfer import finite_weights, matching_layout, upload_header
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, as_wire_array
-from fedpar.security.handshake import split_address
 from fedpar.protocol.dataplane import (MAX_MESSAGE_BYTES, OP_DOWNLOAD, OP_UPLOAD, TICKET_BYTES, DataPlaneError,
-                                       DataPlaneRefused, Deadline, encode_frame, encode_preamble, read_status, recv_exact_into,
-                                       send_all, send_views)
+                                       DataPlaneRefused, Deadline, encode_frame, encode_preamble, read_status,
+                                       recv_exact_into, send_all, send_views)
+from fedpar.security.handshake import split_address
 
 __all__ = ["DataPlaneError", "DataPlaneRefused", "DataPlaneTarget", "download", "upload", "refusal_text"]
 

@@ -340,8 +340,8 @@ class Connection:
     def why_unreachable(self) -> str | None:
         """Why the coordinator is unreachable (gRPC says only UNAVAILABLE): a TLS setting that differs from ours is
         returned, to be said in each retry line (its operator may restart it with ours); a host name that cannot be
-        looked up, a web server's port or a data-plane port, a wrong CA, a name mismatch or a refused certificate, which retrying does not
-        cure, is a FatalAgentError."""
+        looked up, a web server's port or a coordinator's data-plane port, a wrong CA, a name mismatch or a refused
+        certificate, which retrying does not cure, is a FatalAgentError."""
         # a web server answers at once: a host that drops packets holds each retry 1 s more, not 3
         unknown = unknown_host(self.config.server, "--server") or answers_http1(self.config.server, 1.0) or \
             answers_as_data_plane(self.config.server, 1.0)
