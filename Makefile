@@ -29,8 +29,9 @@ simulate: $(VENV)/.installed
 
 # Two pytest-xdist workers, each taking whole test files (a module's shared service stays in one worker): on 2 cores
 # they keep both busy (the tests' CPU, mostly real processes starting and training, is about 3/4 of their time):
-# 636 s for 2,279 tests on 2026-11-28 (clean-clone CI of 3ce951d; 863 s before that day's in-process tests). The files go out in collection order, which tests/conftest.py makes longest
-# first (not xdist's most-tests-first).
+# 636 s for 2,279 tests on 2026-11-28 (clean-clone CI of aad607c; 863 s before that day's commands run in the tests'
+# own process). The files go out in collection order, which tests/conftest.py makes longest first (not xdist's
+# most-tests-first).
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
