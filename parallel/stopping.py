@@ -19,6 +19,7 @@ import _thread
 import contextlib
 import copyreg
 import faulthandler
+import logging
 import multiprocessing
 import os
 import select
@@ -111,13 +112,20 @@ def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | N
     _active = received
 
     def handle(signum: int, frame) -> None:
-        if received.dropped == signum:  # raised again (dropped_stop), now where it is not dropped
+        if received.dropped == signum:  # raised again (dropped_stop, or out of logging), now where it may be
+            if _in_logging(frame):
+                _raise_again(signum)
+                return
             received.dropped = None
             raise StopRequested(signum)
         if received.signal is None:
             received.signal, received.at = signal.Signals(signum).name, time.monotonic()
             if received.holding:
                 received.pending = signum
+                return
+            if _in_logging(frame):
+                received.dropped = signum
+                _raise_again(signum)
                 return
             raise StopRequested(signum)
         if signal.Signals(signum).name == received.signal and time.monotonic() - received.at < REPEAT_SECONDS:
@@ -138,9 +146,7 @@ def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | N
         # lock): the process went on as if no signal had come, and its launcher waited out its grace. Raised again
         # once that code has returned (again if dropped again).
         received.dropped = stop.signum
-        again = threading.Timer(DROPPED_RETRY_SECONDS, _thread.interrupt_main, args=(stop.signum,))
-        again.daemon = True
-        again.start()
+        _raise_again(stop.signum)
 
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     previous_hook = sys.unraisablehook
@@ -155,6 +161,21 @@ def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | N
         sys.unraisablehook = previous_hook
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _in_logging(frame) -> bool:
+    """Whether the main thread was interrupted in the logging module's own code: a StopRequested raised there, between
+    a lock's acquire and the ``try`` that releases it, left logging's lock held by the main thread, and every other
+    thread that logged then waited for ever (a coordinator stopped as it started waited out its launcher's 60 s)."""
+    return frame is not None and frame.f_code.co_filename == logging.__file__
+
+
+def _raise_again(signum: int) -> None:
+    """Deliver stop signal ``signum`` to the main thread again in :data:`DROPPED_RETRY_SECONDS` (its handler then
+    raises the StopRequested it could not raise where it came)."""
+    again = threading.Timer(DROPPED_RETRY_SECONDS, _thread.interrupt_main, args=(signum,))
+    again.daemon = True
+    again.start()
 
 
 def raise_lost_stop() -> None:
