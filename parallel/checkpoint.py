@@ -33,6 +33,7 @@ from fedpar.parallel import checkpoint_retention
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.epoch_checkpoint import is_epoch_checkpoint
 from fedpar.parallel.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, raise_wrapped_stop, safe_load
+from fedpar.parallel.stopping import raise_lost_stop
 from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings
 
 LATEST = "latest"
@@ -90,6 +91,7 @@ def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimiz
         dcp.save(_state(_part_states(model_parts, optimizers), counters), checkpoint_id=str(staged))
     except CheckpointException as exc:  # a stop while it writes: `latest` still names the last complete checkpoint
         raise_wrapped_stop(exc)
+        raise_lost_stop()  # raised in a write torch's C++ calls back, it came out as that write's RuntimeError
         raise
     dist.barrier()
     if dist.get_rank() == 0:

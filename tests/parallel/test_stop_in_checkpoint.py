@@ -52,10 +52,15 @@ optimizer.step()
 folder = Path(tempfile.mkdtemp())
 save_checkpoint(folder, [model], [optimizer], {"step": 1})
 kind, name = {"write": (FileSystemWriter, "write_data"), "metadata": (FileSystemWriter, "finish"),
-              "load": (FileSystemReader, "read_data")}[where]
+              "load": (FileSystemReader, "read_data"), "swallowed": (FileSystemWriter, "write_data")}[where]
 original = getattr(kind, name)
 
 def stopped(self, *args, **kwargs):
+    if where == "swallowed":  # raised in a write torch's C++ zip writer calls back, it comes out as that write's error
+        try:
+            signal.raise_signal(signum)
+        except KeyboardInterrupt:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
     signal.raise_signal(signum)  # its handler runs as this returns, inside DCP
     return original(self, *args, **kwargs)
 
@@ -72,8 +77,9 @@ except StopRequested as stop:
 """
 
 
-@pytest.mark.parametrize("where,signame", [("write", "SIGINT"), ("metadata", "SIGTERM"), ("load", "SIGINT")],
-                         ids=["writing-shards", "writing-metadata", "loading"])
+@pytest.mark.parametrize("where,signame", [("write", "SIGINT"), ("metadata", "SIGTERM"), ("load", "SIGINT"),
+                                           ("swallowed", "SIGTERM")],
+                         ids=["writing-shards", "writing-metadata", "loading", "swallowed-by-torch-save"])
 def test_a_stop_inside_dcp_is_raised_as_itself_and_latest_stays_on_the_complete_checkpoint(where, signame):
     # DCP catches what each step raises (BaseException) and gathers it from every rank: a stop came out as a
     # CheckpointException (on load: "checkpoint could not be read", exit 2), when its pickling did not fail first
