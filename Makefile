@@ -29,8 +29,8 @@ simulate: $(VENV)/.installed
 
 # Two pytest-xdist workers, each taking whole test files (a module's shared service stays in one worker): on 2 cores
 # they keep both busy (the tests' CPU, mostly real processes starting and training, is about 3/4 of their time):
-# 636 s for 2,279 tests on 2026-11-28 (clean-clone CI of aad607c; 863 s before that day's commands run in the tests'
-# own process). The files go out in collection order, which tests/conftest.py makes longest first (not xdist's
+# 626-718 s for 2,279-2,282 tests in three clean-clone CIs on 2026-11-28 (863 s before that day's commands run in the
+# tests' own process). The files go out in collection order, which tests/conftest.py makes longest first (not xdist's
 # most-tests-first).
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
