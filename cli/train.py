@@ -121,7 +121,9 @@ def _stopped_starting(args: argparse.Namespace, exc: KeyboardInterrupt) -> int:
     from fedpar.parallel.stopping import exit_code, signal_name
 
     if not int(os.environ.get("RANK", "0")):
-        pointer = Path(args.out) / "checkpoints" / "latest"
+        from fedpar.simulations.run_outputs import CHECKPOINT_POINTER
+
+        pointer = Path(args.out) / CHECKPOINT_POINTER
         try:
             kept = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
         except OSError:
