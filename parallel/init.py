@@ -24,7 +24,7 @@ from fedpar.parallel.device import backend_for, resolve_device
 from fedpar.parallel.rendezvous import bound_store, gloo_on_loopback
 from fedpar.parallel.restarts import NAMESPACE_ENV, REPLACEMENT_ENV, RestartBudget
 from fedpar.parallel.stopping import StopRequested, default_terminate, die_with_parent, dump_stacks_on_signal, \
-    ignore_interrupts, interrupts_held, raise_lost_stop, stop_on_signals
+    interrupts_held, parent_stops_this, raise_lost_stop, stop_on_signals
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -143,11 +143,12 @@ def exit_rank_process(code: int = 0) -> None:
 def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
                     parent_stops: bool = False, env: dict[str, str] | None = None,
                     launcher: LauncherSide | None = None) -> None:
-    own_standard_streams(launcher)  # forked: where a spawned rank would write,
-    default_terminate()  # and ended by SIGTERM as a spawned one is (not by its launcher's handler, copied)
     if parent_stops:  # the launcher stops this rank: Ctrl-C is ignored; still leave when the launcher dies
-        ignore_interrupts()
+        parent_stops_this()
         die_with_parent(signal.SIGTERM)
+    else:
+        default_terminate()  # ended by SIGTERM as a spawned one is (not by its launcher's handler, copied)
+    own_standard_streams(launcher)  # forked: where a spawned rank would write
     dump_stacks_on_signal()
     os.environ.pop(LAUNCHER_STORE_ENV, None)  # a launcher's own launcher's store is not this launch's
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),

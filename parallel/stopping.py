@@ -32,6 +32,7 @@ from typing import Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DROPPED_RETRY_SECONDS = 0.05  # a dropped StopRequested is raised again after this (dropped_stop)
+HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # blocked while processes their parent stops start (interrupts_held)
 REPEAT_SECONDS = 1.0  # a person who means "now" presses Ctrl-C again later than a signal delivered twice arrives
 
 
@@ -213,10 +214,14 @@ def wait_awake(event: threading.Event, timeout: float | None = None, stops: bool
 
 @contextlib.contextmanager
 def interrupts_held(start_method: str = "spawn") -> Iterator[Callable[[], None]]:
-    """Start processes inside the block that their parent stops: they are born with SIGINT blocked (Ctrl-C reaches a
-    terminal's whole process group) and ignore it once they call :func:`ignore_interrupts`, so that it prints no
-    traceback of theirs. A SIGINT that comes to this process meanwhile, to whichever thread, is noted and raised at
-    ``release()`` or the block's end, to the handler in place then. ``start_method``: how the block starts processes.
+    """Start processes inside the block that their parent stops: they are born with SIGINT and SIGTERM blocked and
+    take them as :func:`parent_stops_this` sets, first thing: SIGINT ignored (Ctrl-C reaches a terminal's whole
+    process group), so that it prints no traceback of theirs, and SIGTERM as by default. A forked child held its
+    parent's handlers until then, and a SIGTERM its parent sent before the child ran that far (not yet given the CPU
+    on a loaded machine) raised the parent's StopRequested in the child, where torch's worker swallows it: the
+    child went on, or ended without a word, and its parent took it to have said what completed. A SIGINT that comes
+    to this process meanwhile, to whichever thread, is noted and raised at ``release()`` or the block's end, to the
+    handler in place then (a SIGTERM waits, blocked, until then). ``start_method``: how the block starts processes.
     Off the main thread the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield lambda: None
@@ -227,11 +232,15 @@ def interrupts_held(start_method: str = "spawn") -> Iterator[Callable[[], None]]
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
+    if start_method == "forkserver":  # the server, started by the block's first child, would keep the mask for ever
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
     came: list[int] = []
     # noted, not ignored: the kernel hands a process's signal to any thread that does not block it (a store's, a
     # gRPC poller's), and one ignored there was lost
     previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
-    blocked = signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # what children get
+    blocked = set(HELD_SIGNALS) - signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)  # what children get
     open_ = [True]
 
     def release() -> None:
@@ -239,7 +248,7 @@ def interrupts_held(start_method: str = "spawn") -> Iterator[Callable[[], None]]
             open_[0] = False
             signal.signal(signal.SIGINT, previous)
             if blocked:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
             if came:
                 signal.raise_signal(signal.SIGINT)
     try:
@@ -248,11 +257,13 @@ def interrupts_held(start_method: str = "spawn") -> Iterator[Callable[[], None]]
         release()
 
 
-def ignore_interrupts() -> None:
+def parent_stops_this() -> None:
     """In a process started inside :func:`interrupts_held`, first thing: SIGINT is ignored from now on (its parent
-    stops it), and no longer blocked (one that came meanwhile is dropped)."""
+    stops it), SIGTERM ends it as by default (a forked child had its parent's handler), and neither is blocked any
+    longer (a SIGINT that came meanwhile is dropped; a SIGTERM ends it now)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
 
 def default_terminate() -> None:

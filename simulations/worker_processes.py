@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from fedpar.datasets.memory import check_fits
 from fedpar.datasets.registry import check_dataset_fits, full_dataset_name
 from fedpar.parallel.child_logs import LauncherSide, launcher_side, own_standard_streams
-from fedpar.parallel.stopping import default_terminate, ignore_interrupts, interrupts_held
+from fedpar.parallel.stopping import interrupts_held, parent_stops_this
 from fedpar.simulations.config import SimulationConfig
 
 # What a run needs, for the one line that says so before it starts (measured: benchmarks/population_bench.py)
@@ -127,8 +127,7 @@ def run_worker_entry(conn: Connection, dataset: str | None, data_dir: str | None
     ``scratch``, which the parent removes; a forked child first closes the pipe ends it ``inherited`` and puts back
     the default stops its parent had changed; a fork server's child takes the ``launcher``'s streams and
     environment."""
-    ignore_interrupts()
-    default_terminate()
+    parent_stops_this()
     own_standard_streams(launcher)
     for end in inherited:
         end.close()

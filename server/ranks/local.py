@@ -21,7 +21,7 @@ from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.child_logs import LauncherSide, launcher_side, log_like_parent, own_standard_streams
 from fedpar.parallel.restarts import RestartBudget
 from fedpar.parallel.init import exit_rank_process, free_port, join_gloo_group, rank_start_method, shutdown_distributed
-from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, ignore_interrupts, interrupts_held
+from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, interrupts_held, parent_stops_this
 from fedpar.security.admission import Admission
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
@@ -73,8 +73,8 @@ def _rank_main(rank: int, world: int, port: int, namespace: str, spec: IngestRan
     """A started process: join the group (or, ``replacing`` a lost rank, ask rank 0 to take it back), then serve as
     aggregator rank ``rank`` until rank 0 stops (or dies); a fork server's child takes the ``launcher``'s streams and
     environment first."""
+    parent_stops_this()
     own_standard_streams(launcher)
-    ignore_interrupts()
     die_with_parent()
     dump_stacks_on_signal()
     log_like_parent(spec.log_level)
