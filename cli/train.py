@@ -160,6 +160,24 @@ def _check_checkpoint_folder(args: argparse.Namespace) -> None:
     if args.checkpoint_every and folder.exists() and not folder.is_dir():
         raise UserError(f"--checkpoint-every {args.checkpoint_every}: {folder}, where the checkpoints are kept, is a "
                         "file, not a folder; move it away, or give another --out")
+    _check_not_federated(Path(args.out))
+
+
+def _check_not_federated(out: Path) -> None:
+    """UserError when ``out`` or OUT/checkpoints holds a federated run's checkpoints (`fedpar serve
+    --checkpoint-dir`): this run's files beside them left serve refusing to resume that run."""
+    from fedpar.cli.user_errors import UserError
+    from fedpar.server.checkpoint import CheckpointError, latest_round
+
+    for folder in (out, out / "checkpoints"):
+        try:
+            served = latest_round(folder) if folder.is_dir() else None
+        except CheckpointError:  # already mixed with train's checkpoints, or its pointer unreadable: not serve's now
+            served = None
+        if served is not None:
+            raise UserError(f"--out {out}: {folder} holds the checkpoints of a federated run (`fedpar serve "
+                            f"--checkpoint-dir`, round {served}), not of `fedpar train`; give --out a folder of "
+                            "its own")
 
 
 def _out_held(out: str) -> contextlib.AbstractContextManager:
