@@ -153,13 +153,19 @@ def _check_run_files(args: argparse.Namespace) -> None:
 
 def _check_checkpoint_folder(args: argparse.Namespace) -> None:
     """UserError, before any rank starts, when OUT/checkpoints, where --checkpoint-every keeps the checkpoints (of the
-    zoo's models and of a --task), is a file: each rank failed with a traceback at the first checkpoint."""
+    zoo's models and of a --task), is a file or its pointer ``latest`` a folder: each rank failed at the first
+    checkpoint; or when it is a federated run's."""
     from fedpar.cli.user_errors import UserError
+    from fedpar.simulations.run_outputs import CHECKPOINT_POINTER
 
     folder = Path(args.out) / "checkpoints"
     if args.checkpoint_every and folder.exists() and not folder.is_dir():
         raise UserError(f"--checkpoint-every {args.checkpoint_every}: {folder}, where the checkpoints are kept, is a "
                         "file, not a folder; move it away, or give another --out")
+    pointer = Path(args.out) / CHECKPOINT_POINTER
+    if (args.checkpoint_every or args.resume) and pointer.is_dir():  # each rank failed at its first checkpoint
+        raise UserError(f"{pointer} is a folder, but it must be the file that names the latest checkpoint in "
+                        f"{folder}; move it away (or give another --out)")
     _check_not_federated(Path(args.out))
 
 
