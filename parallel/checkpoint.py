@@ -153,16 +153,16 @@ def check_checkpoint(path: Path) -> None:
 def run_record(config: TrainConfig, data_shape: dict | None = None) -> dict:
     """What a resume of ``config`` (its layout resolved) must match, by the option that sets each: the world size,
     the parallel degrees, the model's settings, the data it was shaped for (``data_shape``: what the data told the
-    model, e.g. a text's ``vocab_size``, from another --data-path too), the batch size its data position counts in
-    and the optimizer whose state it keeps."""
+    model, e.g. a text's ``vocab_size``, from another --data-path too), the batch size and seed its data position counts
+    in and the optimizer whose state it keeps."""
     p = config.parallel
     record = {"--nproc": getattr(p, "world_size", None), "--dp-replicate": p.dp, "--fsdp": p.fsdp, "--tp": p.tp,
               "--pp": p.pp, "--stages-per-rank": p.stages_per_rank, "--model": config.model,
               "--dataset": config.dataset, "--optimizer": config.optimizer,
               "--model-arg": " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(config.model_kwargs.items())) or "none",
               "--block-size": config.block_size,
-              # the epoch's batch it resumes at and the steps of --epochs count batches of this size
-              "--batch-size": config.batch_size}
+              # the epoch's batch it resumes at and the steps of --epochs count batches of this size, in this shuffle
+              "--batch-size": config.batch_size, "--seed": config.seed}
     if data_shape is not None:
         record["--data-path"] = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(data_shape.items())) or "none"
     return record
