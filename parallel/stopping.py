@@ -240,7 +240,7 @@ def interrupts_held(start_method: str = "spawn") -> Iterator[Callable[[], None]]
     # noted, not ignored: the kernel hands a process's signal to any thread that does not block it (a store's, a
     # gRPC poller's), and one ignored there was lost
     previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
-    blocked = set(HELD_SIGNALS) - signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)  # what children get
+    blocked = HELD_SIGNALS - signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)  # what children get
     open_ = [True]
 
     def release() -> None:
