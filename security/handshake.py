@@ -53,10 +53,13 @@ class Dialler:
     ca_options: str = "--certs DIR or --tls-ca"
     address_option: str = "--server"
     name_option: str | None = "--tls-server-name NAME"
+    port: str = "a coordinator's agents' port"  # the port ``address_option`` is for
+    right_port: str = "the coordinator's --port"  # the option of the server that says which port that is
 
 
 AGENT = Dialler()
-OPERATOR = Dialler("the service", "this operator", "--operators NAME", "--certs DIR", "--control", None)
+OPERATOR = Dialler("the service", "this operator", "--operators NAME", "--certs DIR", "--control", None,
+                   "a service's control API", "the service's --control-port")
 
 
 def split_address(address: str) -> tuple[str, int] | None:
@@ -138,14 +141,15 @@ def speaks_tls(address: str, timeout: float = 3.0) -> bool | None:
     return None
 
 
-def answers_http1(address: str, timeout: float = 3.0) -> str | None:
+def answers_http1(address: str, timeout: float = 3.0, who: Dialler = AGENT) -> str | None:
     """What to change when the server at ``address`` answers in HTTP/1 (a web server, or a coordinator's metrics
-    port), which no gRPC client can talk to; None when it does not, or nothing answers."""
+    port), which no gRPC client can talk to; None when it does not, or nothing answers. ``who``: whose words."""
     answer = _answer_to(address, HTTP1_HEAD, timeout)  # a request an HTTP/1 server answers (a ClientHello is none)
     if answer is None or not answer.startswith(b"HTTP/"):
         return None
-    return (f"{address} answers in HTTP/1, not gRPC: it is a web server (a coordinator's --metrics-port?), not a "
-            "coordinator's agents' port; give --server the coordinator's --port")
+    server = who.server.removeprefix("the ")
+    return (f"{address} answers in HTTP/1, not gRPC: it is a web server (a {server}'s --metrics-port?), not "
+            f"{who.port}; give {who.address_option} {who.right_port}")
 
 
 def _answer_to(address: str, hello: bytes, timeout: float) -> bytes | None:

@@ -1,0 +1,44 @@
+"""`fedpar run` pointed where no service's control API is: a web server (a service's --metrics-port) is named as
+one, in one line that says which port to give, not as a TLS handshake that failed. Real sockets on 127.0.0.1
+(port 0), the command's main run in this process."""
+
+from __future__ import annotations
+
+import http.server
+import re
+import threading
+
+import pytest
+
+from fedpar.security.certs import ensure_certs
+from support.in_process import run_main
+
+
+class _Quiet(http.server.BaseHTTPRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - its signature; the requests' lines are not the command's
+        pass
+
+
+@pytest.fixture()
+def web_server():
+    """An HTTP/1 server on a loopback port (as a service's --metrics-port is): its address."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_run_at_a_web_server_says_it_is_one_and_which_port_to_give(web_server, tmp_path, capfd):
+    # it said 'TLS handshake with the service at ... failed: WRONG_VERSION_NUMBER; check --certs DIR and the
+    # service's TLS options': the certificates were right, the port was not
+    certs = tmp_path / "certs"
+    ensure_certs(certs, operators=["op"])
+    done = run_main(["run", "ls", "--control", web_server, "--certs", str(certs), "--operator", "op"], capfd)
+    assert done.returncode == 1 and done.stdout == "", done
+    # gRPC's own log lines, which a process of its own would not show (main sets GRPC_VERBOSITY before gRPC loads)
+    said = [line for line in done.stderr.splitlines() if not re.match(r"[IWE]\d{4} \d\d:\d\d:\d\d", line)]
+    assert "Traceback" not in done.stderr and said == [
+        f"fedpar run: {web_server} answers in HTTP/1, not gRPC: it is a web server (a service's --metrics-port?), "
+        "not a service's control API; give --control the service's --control-port"], done.stderr
