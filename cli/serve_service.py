@@ -301,6 +301,10 @@ class RunService:
         self.store.start(run.id, str(out or ""))
         self._say(run, f"run {run.id} ({run.name}) {began}: task {task!r}, {args.rounds} rounds; only agents that "
                        "have its task are sampled")
+        lost = lost_checkpoints(run, args.checkpoint_dir)
+        if lost is not None:  # it started afresh from the initial model, its log saying it had resumed
+            return self._end(run, "failed", f"{CANNOT_RESUME}{lost}; {TRIED_AGAIN}", said=f"{CANNOT_RESUME}{lost}",
+                             code=2)
         events = None
         try:
             if out is not None:
@@ -403,6 +407,17 @@ class RunService:
         """``line`` in the run's log ('fedpar run logs') and on the service's output."""
         self.store.log(run.id, line)
         print(line, flush=True)
+
+
+def lost_checkpoints(run, checkpoint_dir: Path | None) -> str | None:
+    """Why ``run``, which recorded rounds before the service last ended, cannot resume: its checkpoints (each round
+    writes one before its row is recorded) are gone from ``checkpoint_dir``; None when it can, or has none to."""
+    from fedpar.server.checkpoint import has_checkpoint
+
+    if run.started is None or run.round < 1 or checkpoint_dir is None or has_checkpoint(checkpoint_dir):
+        return None
+    return (f"its checkpoints {checkpoint_dir} are gone (moved or deleted since its round {run.round}): put them back "
+            "where they were (starting it afresh would train its rounds again from the initial model)")
 
 
 def json_ready(row: dict) -> dict:
