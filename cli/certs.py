@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.user_errors import check_folder_writable, check_output_folder
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.file_lock import FileLock, LockHeld, hold
 from fedpar.security.admission import append_revocation, has_token, mint_token, parse_revocations, \
     parse_token_hashes
 from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, RESERVED_NAMES, CertPaths, check_agent_id, \
@@ -151,10 +153,36 @@ def warn_revoked_names(paths: CertPaths, names: list[str]) -> None:
               f"(a new one too) until its line is removed there", file=sys.stderr)
 
 
+def _take_turn(paths: CertPaths, making: bool) -> FileLock | None:
+    """The lock of the certificate folder, held while this command reads and writes in it (the folder made first when
+    ``making``; None when it is not there): two `fedpar certs` at once each made a CA, one's ca.pem left beside what
+    the other's signed (and a token or revocation of one could be lost). Another's turn is waited for."""
+    deadline = time.monotonic() + TURN_SECONDS
+    while True:
+        if making:
+            paths.root.mkdir(parents=True, exist_ok=True)
+        elif not paths.root.is_dir():
+            return None
+        try:
+            return hold(paths.root / LOCK_FILE)
+        except FileNotFoundError:  # the folder, just made, was taken away by another's check that it can write there
+            continue
+        except LockHeld as held:
+            if time.monotonic() > deadline:
+                raise ValueError(f"another fedpar certs (pid {held.pid}) has been writing in {paths.root} for "
+                                 f"{TURN_SECONDS:.0f} s; let it end, then run this again") from None
+            time.sleep(0.05)
+
+
+LOCK_FILE = ".fedpar-certs.lock"  # in the certificate folder while a `fedpar certs` writes there
+TURN_SECONDS = 60.0  # how long one waits for another's turn (each takes well under a second)
+
+
 def run(args: argparse.Namespace) -> int:
     """Create, extend or revoke, then say what to run next."""
     paths = CertPaths(Path(args.out))
     housekeeping = args.revoke or args.revoke_cert or args.mint_token
+    lock = None
     try:
         if paths.root.exists() and not paths.root.is_dir():  # said as 'File exists: ca.pem in folder ...'
             raise ValueError(f"--out {paths.root} is a file; give the folder of the certificates (made if missing)")
@@ -171,7 +199,9 @@ def run(args: argparse.Namespace) -> int:
             check_agent_id(name, "operator name")
         if args.server_name:
             server_san(args.server_name)  # a bad name is said before a CA is made for a certificate never issued
-        if args.agents or args.operators or args.server_name or args.force or not housekeeping:
+        issuing = bool(args.agents or args.operators or args.server_name or args.force or not housekeeping)
+        lock = _take_turn(paths, making=issuing)
+        if issuing:
             report = ensure_certs(args.out, args.agents, args.server_name, args.days, args.force, args.operators)
             if report.created_ca:
                 print(f"created a new CA in {paths.root}")
@@ -203,6 +233,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fedpar certs: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if lock is not None:
+            lock.release(remove=True)
     if not housekeeping:
         print(f"next: fedpar serve --certs {paths.root} ...   and on each agent:   "
               f"fedpar client --certs {paths.root} --agent-id ID ...")
