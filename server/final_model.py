@@ -90,6 +90,9 @@ def _not_a_model_folder(source: Path) -> str:
             return f"{source} is a `fedpar train --task` checkpoint directory; export {whole}, its latest, or {ended}"
         return (f"{source} is a `fedpar train` checkpoint directory (sharded DCP checkpoints, not one model); "
                 f"export {ended}")
+    if (source / "checkpoints" / LATEST).is_file():  # a service's run folder (STATE.runs/ID), or serve's --out
+        return (f"{source} holds no {TENSORS}: its run has not ended (a run writes it as it ends; one killed with kill "
+                f"-9 never does); export {source / 'checkpoints'} for its latest checkpoint's model")
     return f"{source} holds neither {TENSORS} (a run's --out folder) nor {LATEST} (a coordinator checkpoint directory)"
 
 
