@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from fedpar.datasets.arrays import TrainData
+from fedpar.datasets.memory import check_fits
 from fedpar.datasets.registry import load_train_data
 from fedpar.models import build_model
 from fedpar.models.for_data import model_kwargs_for
@@ -13,9 +15,10 @@ from fedpar.parallel.parallelize import check_model_layout
 from fedpar.wording import counted
 
 
-def preflight(config: TrainConfig) -> dict:
-    """Check data and model shape against the layout ``config`` was resolved into (TrainConfig.resolved); what the
-    data tells the model (e.g. a text's ``vocab_size``), which a resume must match.
+def preflight(config: TrainConfig, spawned: int = 0) -> dict:
+    """Check data and model shape against the layout ``config`` was resolved into (TrainConfig.resolved), and that the
+    ``spawned`` ranks to be started here fit this machine's memory; what the data tells the model (e.g. a text's
+    ``vocab_size``), which a resume must match.
 
     The data is read here too (every rank reads it again), so that a missing --data-path, a model that does not fit
     the data or a --model-arg it does not take is said in one line before any rank starts; the model is built on
@@ -30,8 +33,32 @@ def preflight(config: TrainConfig) -> dict:
         model = build_model(config.model, **kwargs)
     if pc.tp > 1 or pc.pp > 1:
         check_model_layout(model, config.model, pc)
+    if spawned:
+        check_ranks_fit(config, spawned, data, sum(p.numel() for p in model.parameters()))
     examples = len(data.train_inputs)
     if config.batch_size > examples:  # each step would repeat the set to fill its batch (10^12: a MemoryError)
         raise ValueError(f"--batch-size {config.batch_size} is more than the {counted(examples, 'training example')} "
                          f"of --dataset {config.dataset}; give --batch-size {examples} or less")
     return implied
+
+
+# A rank started here: its share of the interpreter, torch and gloo once forked (8 digits ranks took 1 GiB in all)
+RANK_BYTES = 100 << 20
+STATE_BYTES_PER_PARAMETER = 16  # fp32 weights, their gradients and an optimizer's two moments
+
+
+def check_ranks_fit(config: TrainConfig, ranks: int, data: TrainData, parameters: int) -> None:
+    """ValueError, one line before they start, when the ``ranks`` processes --nproc asks for here (1: this one) need
+    more memory than this machine has available: each holds its interpreter, the whole data (``data``) and its
+    shard of the model's ``parameters`` with their gradients and optimizer state (on the CPU)."""
+    pc = config.parallel
+    data_bytes = sum(t.nbytes for t in (data.train_inputs, data.train_targets, data.eval_inputs, data.eval_targets))
+    # on a GPU the model's state is the device's, not this machine's memory
+    state_bytes = STATE_BYTES_PER_PARAMETER * parameters // (pc.fsdp * pc.tp * pc.pp) if pc.device_type == "cpu" else 0
+    if ranks == 1:
+        what = "training in this process"
+        advice = "give a smaller model (--model-arg), or shard it over machines with torchrun and --fsdp"
+    else:
+        what = f"training on {ranks} ranks here (--nproc {ranks})"
+        advice = "give a smaller --nproc or model, or spread the ranks over machines with torchrun"
+    check_fits(ranks * (RANK_BYTES + data_bytes + state_bytes), what, advice)
