@@ -33,7 +33,7 @@ from fedpar.parallel.config import PRECISIONS
 from fedpar.parallel.device import queue_waiter
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import (ClientData, Deadline, LocalConfig, StepClock, Task, TaskError, check_training_data,
-                         checked_client_data, checked_task)
+                         checked_client_data, checked_task, first_difference, raised)
 from fedpar.tasks.data import batch_examples, default_batches, inputs_and_targets, on_device, to_device
 from fedpar.tasks.evaluation import (EvalResult, autocast, finite, named_metrics, task_eval_result,
                                      task_eval_results)
@@ -59,7 +59,9 @@ def train_task(task: Task, model: nn.Module, data: ClientData, config: LocalConf
     if task.train is None:
         return _builtin_loop(task, model, data, config, deadline, precision, after_step)
     model.train()
+    layout = weight_specs(model)
     result = task.train(model, data, config, deadline)
+    _check_layout_kept(task, model, layout)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TaskError(f"task {task.name!r}: train must return (examples, metrics), got {type(result).__name__}")
     examples, metrics = result
@@ -70,6 +72,17 @@ def train_task(task: Task, model: nn.Module, data: ClientData, config: LocalConf
         raise TaskError(f"task {task.name!r}: train returned {examples} examples, more than its {len(data.train)} "
                         f"training examples x {config.epochs} epochs: count each example once per pass")
     return Trained(examples, deadline.taken, named_metrics(task, "train", metrics), deadline.stopped_early)
+
+
+def _check_layout_kept(task: Task, model: nn.Module, layout: list) -> None:
+    """TaskError when the task's train hook left ``model`` with other weights than ``layout``, those it was given (a
+    layer replaced, a dtype changed): the coordinator could not take them, nor model() load them."""
+    now = weight_specs(model)
+    if now != layout:
+        where = first_difference(now, layout, "model() made")
+        raise TaskError(f"task {task.name!r}: train changed the model's weights ({where}); train the model it is given "
+                        "in place (no layer replaced, added or removed, no .half() or .double()): its weights are what "
+                        "the coordinator averages")
 
 
 def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalConfig, deadline: Deadline,
@@ -145,6 +158,7 @@ class TaskTrainer:
         if not isinstance(model, torch.nn.Module):
             raise TaskError(f"task {task.name!r}: model() must return a torch.nn.Module, got {type(model).__name__}")
         self.model = model.to(self.device)
+        self._layout = weight_specs(self.model)  # what the coordinator sends and takes back
         # The built-in loop updates the tensors in place, so they are listed once; a train hook may replace them.
         self._weights = ModelWeights(self.model) if task.train is None else None
         self._turn = compute_lock
@@ -197,12 +211,13 @@ class TaskTrainer:
             return
         self.model.train()
         loader = self.task.loader or default_batches
-        batch = next(iter(loader(self.data.train, 2, torch.Generator().manual_seed(0))), None)
+        with self._task_code("training"):
+            batch = next(iter(loader(self.data.train, 2, torch.Generator().manual_seed(0))), None)
         if batch is None:
             return
         inputs, targets = inputs_and_targets(to_device(batch, self.device))
         params = trainable(self.model)
-        with autocast(self.device, self.precision):
+        with autocast(self.device, self.precision), self._task_code("training"):
             loss = self.task.batch_loss(self.model(inputs), targets)
         if self.task.optimizer is None:
             update(params, loss, lr=0.0)  # the weights do not change
@@ -218,9 +233,13 @@ class TaskTrainer:
         start = time.monotonic()
         config = LocalConfig(epochs, batch_size, lr, round_id, self.seed, proximal_mu, max_steps, self.device)
         deadline = Deadline(stop_at, self._wait, self._clock)
-        with self._taking_turn():
-            trained = train_task(self.task, self.model, self.data, config, deadline, self.precision,
-                                 self._pause if self.delay else None)
+        try:
+            with self._taking_turn(), self._task_code("training"):
+                trained = train_task(self.task, self.model, self.data, config, deadline, self.precision,
+                                     self._pause if self.delay else None)
+        except Exception:
+            self._keep_layout()
+            raise
         late = time.monotonic() - stop_at
         if late > LATE_SECONDS and self.task.train is not None and not self._said_late:
             self._said_late = True  # the hook's habit, not one member's: said once
@@ -238,14 +257,14 @@ class TaskTrainer:
         """The task's metrics on the local validation split (None when there is none)."""
         if self.data.val is None:
             return None
-        with self._taking_turn():
+        with self._taking_turn(), self._task_code("evaluation"):
             return task_eval_result(self.task, self.model, self.data.val, self.precision)
 
     def evaluate_splits(self, splits: Sequence[Any]) -> list[EvalResult | None]:
         """The task's metrics on each of ``splits`` (members' validation splits), the built-in evaluation of them
         all in one pass where it can (tasks/evaluation.py task_eval_results)."""
         splits = [None if split is None else on_device(split, self.device) for split in splits]  # as use_data keeps
-        with self._taking_turn():
+        with self._taking_turn(), self._task_code("evaluation"):
             return task_eval_results(self.task, self.model, splits, self.precision)
 
     @contextlib.contextmanager
@@ -256,6 +275,25 @@ class TaskTrainer:
             return
         with self._turn:
             yield
+
+    def _keep_layout(self) -> None:
+        """A fresh model() in place of one a failed train hook left with other weights (a layer replaced, a dtype
+        changed), so that the next round's weights load into it."""
+        if self.task.train is not None and weight_specs(self.model) != self._layout:
+            self.model = self.task.built_model().to(self.device)
+
+    @contextlib.contextmanager
+    def _task_code(self, stage: str):
+        """Run the task's code of ``stage``: a SystemExit or KeyboardInterrupt it raises on a thread other than the
+        main one (where no Ctrl-C arrives: a seat's) is a TaskError, the member's failure, not the end of the seat's
+        thread (whose members' rounds would then wait out their deadlines)."""
+        try:
+            yield
+        except (SystemExit, KeyboardInterrupt) as exc:
+            if threading.current_thread() is threading.main_thread():
+                raise
+            raise TaskError(f"task {self.task.name!r}: its {stage} raised {raised(exc)}, which would end the whole "
+                            "process: raise an exception instead") from exc
 
     def call_off(self) -> None:
         """End training now (the runtime is stopping): a slow device's pause wakes and its task ends in CalledOff."""

@@ -329,7 +329,7 @@ class Task:
             self._layout = layout
         elif layout != self._layout:  # every process and seat calls model(): all must make the coordinator's weights
             raise TaskError(f"task {self.name!r}: model() made other weights than on its first call "
-                            f"({_first_difference(layout, self._layout)}); it must build the same model every call "
+                            f"({first_difference(layout, self._layout)}); it must build the same model every call "
                             "(no sizes drawn at random)")
         return model
 
@@ -385,12 +385,13 @@ class Task:
 MODEL_FACTORY = "model must be a function returning an nn.Module (write model=lambda: ...)"
 
 
-def _first_difference(layout: list, first: list) -> str:
-    """Where ``layout`` (weight_specs of a model) first differs from ``first``'s, in a few words."""
+def first_difference(layout: list, first: list, first_is: str = "the first had") -> str:
+    """Where ``layout`` (weight_specs of a model) first differs from ``first``'s, in a few words (``first_is`` says
+    whose ``first`` is: 'the first had', 'model() made')."""
     for (name, dtype, shape), (name0, dtype0, shape0) in zip(layout, first):
         if (name, dtype, shape) != (name0, dtype0, shape0):
-            return f"{name!r} {dtype} {shape}, where the first had {name0!r} {dtype0} {shape0}"
-    return f"{len(layout)} weights, where the first had {len(first)}"
+            return f"{name!r} {dtype} {shape}, where {first_is} {name0!r} {dtype0} {shape0}"
+    return f"{len(layout)} weights, where {first_is} {len(first)}"
 
 
 def _is_module(value: Any) -> bool:
