@@ -364,8 +364,8 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
     overloaded, or an address where nothing takes them)."""
     import grpc
 
-    from fedpar.security.handshake import (NO_ANSWER, NO_CONNECTION, OPERATOR, answers_http1, diagnose_handshake,
-                                           silence_at, speaks_tls, unknown_host)
+    from fedpar.security.handshake import (NO_ANSWER, NO_CONNECTION, OPERATOR, answers_another_protocol,
+                                           answers_http1, diagnose_handshake, silence_at, speaks_tls, unknown_host)
     from fedpar.server.run_control import SERVICE_STOPPING
 
     control, code, details = args.control, err.code(), err.details() or ""
@@ -397,9 +397,12 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
         # WRONG_VERSION_NUMBER; check --certs DIR ...': no certificate helps
         return (f"{control} speaks plaintext gRPC (an --insecure coordinator's agents' port?), not the control API's "
                 "mutual TLS: give --control the --control-port of a 'fedpar serve --state' service")
-    web = answers_http1(control, SILENT_SECONDS, OPERATOR) if code == grpc.StatusCode.UNAVAILABLE else None
-    if web is not None:  # was 'TLS handshake ... failed: WRONG_VERSION_NUMBER; check --certs DIR': the port is wrong
-        return web
+    if code == grpc.StatusCode.UNAVAILABLE:  # was 'TLS handshake ... failed: WRONG_VERSION_NUMBER; check --certs DIR':
+        # the port is wrong, not the certificates
+        other = answers_http1(control, SILENT_SECONDS, OPERATOR) or answers_another_protocol(control, SILENT_SECONDS,
+                                                                                             OPERATOR)
+        if other is not None:
+            return other
     if code == grpc.StatusCode.UNAVAILABLE:  # gRPC's words for a failed handshake are cut and vary: ask TLS itself
         problem = diagnose_handshake(control, _operator_files(args), who=OPERATOR)
         if problem is not None:

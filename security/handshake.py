@@ -131,14 +131,30 @@ def speaks_tls(address: str, timeout: float = 3.0) -> bool | None:
     # handshake failed"), and a handshake's own errors say little more. The bytes a server sends back do not vary:
     # a TLS server answers a ClientHello with a TLS record (handshake 0x16, or an alert 0x15), and a plaintext
     # gRPC server sends its HTTP/2 SETTINGS frame as soon as the connection opens, whatever it was sent.
-    answer = _answer_to(address, _client_hello(), timeout)
-    if answer is None:
+    kind = _answer_kind(_answer_to(address, _client_hello(), timeout))
+    return True if kind == TLS else False if kind == PLAINTEXT_GRPC else None
+
+
+TLS, PLAINTEXT_GRPC, OTHER = "tls", "plaintext gRPC", "other"  # what a server answers a ClientHello in
+
+
+def _answer_kind(answer: bytes | None) -> str | None:
+    """What a server's first bytes to a TLS ClientHello are in: TLS (a handshake record 0x16, or an alert 0x15),
+    PLAINTEXT_GRPC (an HTTP/2 SETTINGS frame) or OTHER (another protocol's); None when it said nothing."""
+    if not answer:
         return None
     if answer[:1] in (b"\x16", b"\x15"):
-        return True
-    if len(answer) >= 4 and answer[3] == HTTP2_SETTINGS:
-        return False
-    return None
+        return TLS
+    return PLAINTEXT_GRPC if len(answer) >= 4 and answer[3] == HTTP2_SETTINGS else OTHER
+
+
+def answers_another_protocol(address: str, timeout: float = 3.0, who: Dialler = AGENT) -> str | None:
+    """What to change when the server at ``address`` answers a TLS ClientHello in neither TLS nor gRPC (another
+    program's port: SSH, a database); None when it answers in either, or says nothing."""
+    if _answer_kind(_answer_to(address, _client_hello(), timeout)) != OTHER:
+        return None
+    return (f"{address} answers in neither TLS nor gRPC (another program's port?): it is not {who.port}; give "
+            f"{who.address_option} {who.right_port}")
 
 
 def answers_http1(address: str, timeout: float = 3.0, who: Dialler = AGENT) -> str | None:

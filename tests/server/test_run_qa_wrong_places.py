@@ -1,11 +1,13 @@
-"""`fedpar run` pointed where no service's control API is: a web server (a service's --metrics-port) is named as
-one, in one line that says which port to give, not as a TLS handshake that failed. Real sockets on 127.0.0.1
-(port 0), the command's main run in this process."""
+"""`fedpar run` pointed where no service's control API is: a web server (a service's --metrics-port) or another
+program's port (SSH, a database) is named as such, in one line that says which port to give, not as a TLS handshake
+that failed. Real sockets on 127.0.0.1 (port 0), the command's main run in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import re
+import socket
 import threading
 
 import pytest
@@ -42,3 +44,44 @@ def test_run_at_a_web_server_says_it_is_one_and_which_port_to_give(web_server, t
     assert "Traceback" not in done.stderr and said == [
         f"fedpar run: {web_server} answers in HTTP/1, not gRPC: it is a web server (a service's --metrics-port?), "
         "not a service's control API; give --control the service's --control-port"], done.stderr
+
+
+@pytest.fixture()
+def other_program():
+    """A loopback port where a program that speaks neither TLS nor gRPC answers (an SSH server's banner): its
+    address."""
+    server = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def answer():
+        server.settimeout(0.2)
+        while not done.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(b"SSH-2.0-OpenSSH_8.9\r\n")
+                conn.settimeout(2)
+                with contextlib.suppress(OSError):
+                    conn.recv(4096)  # until the client hangs up
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    done.set()
+    thread.join(10)
+    server.close()
+
+
+def test_run_at_another_programs_port_says_so_not_that_the_certificates_are_wrong(other_program, tmp_path, capfd):
+    # it said 'TLS handshake with the service at ... failed: WRONG_VERSION_NUMBER; check --certs DIR and the
+    # service's TLS options'
+    certs = tmp_path / "certs"
+    ensure_certs(certs, operators=["op"])
+    done = run_main(["run", "ls", "--control", other_program, "--certs", str(certs), "--operator", "op"], capfd)
+    said = [line for line in done.stderr.splitlines() if not re.match(r"[IWE]\d{4} \d\d:\d\d:\d\d", line)]
+    assert done.returncode == 1 and done.stdout == "", done
+    assert "Traceback" not in done.stderr and said == [
+        f"fedpar run: {other_program} answers in neither TLS nor gRPC (another program's port?): it is not a "
+        "service's control API; give --control the service's --control-port"], done.stderr
