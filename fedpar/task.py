@@ -285,7 +285,7 @@ class Task:
                 problems.append(f"{name} must be a function (got {type(getattr(self, name)).__name__})")
         if _is_module(self.model):  # callable, but one shared model where a fresh one is needed each call
             problems.append(f"{MODEL_FACTORY}, got the module {type(self.model).__name__} itself")
-        for name in ("test_data", "train", "loss", "optimizer", "loader", "evaluate", "tp_plan"):
+        for name in OPTIONAL_HOOKS:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 problems.append(f"{name} must be a function or None (got {type(value).__name__})")
@@ -297,6 +297,7 @@ class Task:
                             "evaluation can average")
         if self.train is None and callable(self.optimizer):
             problems += self._optimizer_problems()
+        problems += self._methods_not_called()
         if problems:
             raise TaskError(f"task {self.name!r}: " + "; ".join(problems))
 
@@ -354,6 +355,21 @@ class Task:
         check_training_data(self.name, checked_client_data(data))
         return data
 
+    def _methods_not_called(self) -> list[str]:
+        """Hooks a subclass wrote as methods where the field of that name is unset: fedpar calls the fields, so such a
+        method would be silently left out (the built-in loop trained in place of a subclass's own train)."""
+        problems = []
+        for name in OPTIONAL_HOOKS:
+            if getattr(self, name) is not None:
+                continue
+            defined = next((cls for cls in type(self).__mro__[:type(self).__mro__.index(Task)]
+                            if callable(vars(cls).get(name))), None)
+            if defined is not None:
+                problems.append(f"{defined.__name__} defines {name}() as a method, which fedpar does not call (a "
+                                f"Task's hooks are its fields): give it as one, {type(self).__name__}(..., "
+                                f"{name}=FUNCTION)")
+        return problems
+
     def _optimizer_problems(self) -> list[str]:
         """Why the built-in loop cannot step what ``optimizer`` makes (it calls ``step()`` once per batch, with no
         closure), made for one stand-in parameter; none when the factory needs the model's own parameters (its
@@ -382,6 +398,7 @@ class Task:
         return []
 
 
+OPTIONAL_HOOKS = ("test_data", "train", "loss", "optimizer", "loader", "evaluate", "tp_plan")  # a Task's, None: unset
 MODEL_FACTORY = "model must be a function returning an nn.Module (write model=lambda: ...)"
 
 

@@ -37,6 +37,10 @@ def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
             raise TaskError(f"--task {ref} is a Task, not a factory: it takes no --task-option "
                             f"(got {', '.join(sorted(options))})")
         task = target
+    elif isinstance(target, type) and issubclass(target, Task):
+        raise TaskError(f"--task {ref} is the class {target.__name__}, a kind of fedpar.Task, not a Task: name a "
+                        f"function returning one (def task(): return {target.__name__}(model=..., client_data=..., "
+                        "...)), or a Task made in the file")
     elif callable(target):
         arguments, options = factory_arguments(ref, target, options)
         try:
