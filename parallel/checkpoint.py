@@ -52,12 +52,14 @@ def _part_states(model_parts: list[nn.Module],
             for part, opt in zip(model_parts, optimizers)]
 
 
-def _state(parts: list[tuple[dict[str, object], dict[str, object]]], counters: dict[str, int]) -> dict[str, object]:
+def _state(parts: list[tuple[dict[str, object], dict[str, object]]], counters: dict[str, int | float]
+           ) -> dict[str, object]:
     # Parts of one pipeline rank have disjoint parameter names, so their dicts merge without clashes.
     state: dict[str, object] = {
         "model": {k: v for model_sd, _ in parts for k, v in model_sd.items()},
         "optim": {k: v for _, optim_sd in parts for k, v in optim_sd.items()},
-        "counters": {k: torch.tensor(v, dtype=torch.int64) for k, v in counters.items()},
+        "counters": {k: torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
+                     for k, v in counters.items()},
         _rng_key(): torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -71,8 +73,9 @@ def step_dir(directory: str | Path, step: int) -> Path:
 
 
 def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                    counters: dict[str, int], keep: int = 2, record: dict | None = None) -> Path:
-    """Collectively save model, optimizer, integer ``counters`` (must include ``step``) and every rank's RNG;
+                    counters: dict[str, int | float], keep: int = 2, record: dict | None = None) -> Path:
+    """Collectively save model, optimizer, ``counters`` (numbers the same on every rank; must include ``step``) and
+    every rank's RNG;
     rank 0 keeps ``record`` (what a resume must match: :func:`run_record`) beside them, as run.json.
 
     Call on all ranks. The checkpoint becomes visible (``latest``) only after every rank has written it; then rank 0
@@ -181,13 +184,16 @@ def check_resume(config: TrainConfig, data_shape: dict | None = None) -> None:
 
 
 def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                    counter_names: tuple[str, ...] = ("step",)) -> dict[str, int]:
+                    counters: dict[str, int | float] | None = None) -> dict[str, int | float]:
     """Collectively restore a checkpoint saved by the same world size into the parts and optimizers.
 
-    Restores this rank's RNG state too, and returns the saved counters.
+    Restores this rank's RNG state too, and returns the saved ``counters`` (name: its default, by default just
+    ``step``; a counter an older checkpoint does not hold keeps its default).
     """
+    counters = {"step": 0} if counters is None else counters
     parts = _part_states(model_parts, optimizers)
-    state = _state(parts, {k: 0 for k in counter_names})
+    saved = _saved_counters(path)
+    state = _state(parts, {k: v for k, v in counters.items() if k in saved})
     try:
         safe_load(state, path)
     except UnsafeCheckpointError as exc:
@@ -199,7 +205,16 @@ def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: 
     if torch.cuda.is_available():
         torch.cuda.set_rng_state(state[_rng_key() + ".cuda"])
     checkpoint_retention.resumed(Path(path).parent, Path(path).name, _STEP_GLOB)  # this run's checkpoints so far
-    return {k: int(v) for k, v in state["counters"].items()}
+    return {**counters, **{k: type(counters[k])(v.item()) for k, v in state["counters"].items()}}
+
+
+def _saved_counters(path: str | Path) -> set[str]:
+    """The names of the counters the checkpoint at ``path`` holds (an unreadable one is refused by the load)."""
+    try:
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+    except (UnsafeCheckpointError, OSError):
+        return {"step"}
+    return {key.split(".", 1)[1] for key in metadata.state_dict_metadata if key.startswith("counters.")}
 
 
 def _whole(value):

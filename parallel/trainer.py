@@ -46,7 +46,9 @@ from fedpar.parallel.sampler import DistributedBatchSampler
 from fedpar.parallel.stopping import held_stops
 from fedpar.task import TaskFailed
 
-COUNTERS = ("step", "epoch", "batch_in_epoch", "samples")
+# what a checkpoint keeps of the run's position; the last two are the log interval it was taken in (the steps since the
+# last logged loss and their loss, summed as the mean over the ranks), so a resume's first row averages them all
+COUNTERS = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "samples": 0, "interval_steps": 0, "interval_loss": 0.0}
 
 
 class TrainingDiverged(TaskFailed):
@@ -128,7 +130,7 @@ class Trainer:
         # Rank that reports a loss for its data shard: the last pipeline stage, first tensor-parallel rank.
         self.reports_loss = self.model.has_last_stage and self.mesh.coord("tp") == 0
         self.loss_readout = LossReadout(info.device)
-        self.counters = {k: 0 for k in COUNTERS}
+        self.counters = dict(COUNTERS)
         self.stepped = False  # whether a step was taken: what keep_model keeps
         self.pp_group = self.mesh["pp"].get_group() if pc.pp > 1 else None
 
@@ -145,6 +147,14 @@ class Trainer:
                          device=self.info.device)
         dist.all_reduce(t)
         return t.tolist()
+
+    def _interval_loss(self, interval_loss: torch.Tensor | float, steps: int) -> float:
+        """The loss of the ``steps`` since the last logged one (``interval_loss``: this rank's sum) as a checkpoint
+        keeps it: their mean over the ranks that report a loss, times ``steps`` (collective)."""
+        if not steps:
+            return 0.0
+        loss_sum, reporters = self._sum_over_reporters([float(interval_loss) / steps, 1.0])
+        return loss_sum / reporters * steps
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # Only the plain (non-FSDP, non-pipeline) path on GPUs; FSDP2 casts by itself (precision.py).
@@ -302,7 +312,9 @@ class Trainer:
         first_step, steps_start = c["step"], time.perf_counter()  # the pace of this process's steps: the time left
         # No wait for the GPU inside a log interval: the losses add up on it, and the interval's time counts once
         # its loss is read (evaluations and checkpoints are taken off its clock).
-        interval_start, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
+        interval_start, interval_steps = time.perf_counter(), 0
+        # the interval's loss and its steps, those before a resume included (interval_steps: this process's, timed)
+        interval_loss, loss_steps = c["interval_loss"], c["interval_steps"]
         while c["step"] < total:
             self.sampler.set_epoch(c["epoch"], start_batch=c["batch_in_epoch"])
             for indices in self.sampler:
@@ -316,9 +328,10 @@ class Trainer:
                     c["samples"] += global_batch
                     run_samples += global_batch
                     interval_steps += 1
+                    loss_steps += 1
                     self.stepped = True
                 if c["step"] % cfg.log_every == 0 or c["step"] == total:
-                    loss_sum, reporters = self._sum_over_reporters([float(interval_loss) / interval_steps, 1.0])
+                    loss_sum, reporters = self._sum_over_reporters([float(interval_loss) / loss_steps, 1.0])
                     last_loss = loss_sum / reporters
                     if not math.isfinite(last_loss):  # the same on every rank: summed over them
                         raise TrainingDiverged(self._diverged(last_loss, c["step"]))
@@ -330,10 +343,11 @@ class Trainer:
                     left = (time.perf_counter() - steps_start) / (c["step"] - first_step) * (total - c["step"])
                     self._log(f"epoch {c['epoch']} step {c['step']}/{total} loss {last_loss:.4f} "
                               f"{rate:.0f} samples/s, about {left:.0f} s left")
-                    interval_start, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
+                    interval_start, interval_steps, interval_loss, loss_steps = time.perf_counter(), 0, 0.0, 0
                 if self.progress is not None and self.info.is_main:
                     self._show_step(total, step_loss, last_loss)
                 if cfg.checkpoint_every and c["step"] % cfg.checkpoint_every == 0:
+                    c["interval_steps"], c["interval_loss"] = loss_steps, self._interval_loss(interval_loss, loss_steps)
                     interval_start += self._off_the_clock(self.save)[1]
                 if stop_after_steps is not None and c["step"] >= stop_after_steps:
                     if self.progress is not None:
@@ -354,6 +368,7 @@ class Trainer:
             if not any(r.get("kind") == "eval" and r.get("step") == c["step"] for r in log.records()):
                 log.write({"kind": "eval", "step": c["step"], "epoch": c["epoch"], **evals})
         if cfg.checkpoint_every and c["step"] % cfg.checkpoint_every and not finished:
+            c["interval_steps"], c["interval_loss"] = 0, 0.0  # the last step's row was logged
             self.save()
         if self.progress is not None:
             self.progress.close()
