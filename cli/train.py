@@ -358,12 +358,17 @@ def check_all_apply(args: argparse.Namespace, cfg: TrainConfig) -> None:
                             "--base-batch-size, the batch size --lr was tuned for"),
              "momentum": (cfg.optimizer == "sgd", "--optimizer sgd")}
     ignored = {dest: f"it needs {need}" for dest, (applies, need) in needs.items() if not applies}
-    unused = [f"{flag_of(ParallelConfig if dest in vars(ParallelConfig) else TrainConfig, dest)} ({ignored[dest]})"
-              for dest in ignored_given(args, ignored)]
+    unused = [f"{_typed(args, dest, flag_of(ParallelConfig if dest in vars(ParallelConfig) else TrainConfig, dest))} "
+              f"({ignored[dest]})" for dest in ignored_given(args, ignored)]
     if unused:
         raise ConfigurationError(f"this run would ignore {' and '.join(unused)}: drop "
                                  f"{'it' if len(unused) == 1 else 'them'}, or give what "
                                  f"{'it needs' if len(unused) == 1 else 'they need'}")
+
+
+def _typed(args: argparse.Namespace, dest: str, flag: str) -> str:
+    """``flag`` as the user typed it: a switch turned off is its --no- form."""
+    return f"--no-{flag[2:]}" if getattr(args, dest, None) is False else flag
 
 
 def _spawn_ranks(spawn, world: int, fn, cfg, args: argparse.Namespace) -> None:

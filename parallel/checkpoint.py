@@ -34,7 +34,7 @@ from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.epoch_checkpoint import is_epoch_checkpoint
 from fedpar.parallel.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, raise_wrapped_stop, safe_load
 from fedpar.parallel.stopping import raise_lost_stop
-from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings
+from fedpar.protocol.run_record import RUN_RECORD, check_settings, read_record, record_settings
 
 LATEST = "latest"
 _STEP_NAME = re.compile(r"step-\d{8}")
@@ -179,8 +179,12 @@ def check_resume(config: TrainConfig, data_shape: dict | None = None) -> None:
     latest = latest_checkpoint(Path(config.out) / "checkpoints") if config.resume else None
     if latest is not None:
         check_checkpoint(latest)
-        check_settings(latest / RUN_RECORD, run_record(config, data_shape), source=str(latest),
-                       afresh=f"pass --no-resume to start afresh in {config.out} (or another --out)")
+        afresh = f"pass --no-resume to start afresh in {config.out} (or another --out)"
+        record = run_record(config, data_shape)
+        kept = (read_record(latest / RUN_RECORD, afresh) or {}).get("defining")
+        if isinstance(kept, dict) and kept.get("--dataset") not in (None, config.dataset):
+            record.pop("--data-path", None)  # another dataset's data has another shape: nothing more to say
+        check_settings(latest / RUN_RECORD, record, source=str(latest), afresh=afresh)
 
 
 def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],

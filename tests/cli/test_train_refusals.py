@@ -226,7 +226,10 @@ def test_a_config_file_that_spells_a_table_option_as_its_flag_is_told_the_table(
 @pytest.mark.parametrize("given, said", [
     (["--momentum", "0.5", "--optimizer", "adamw"], "--momentum (it needs --optimizer sgd)"),
     (["--base-batch-size", "32"], "--base-batch-size (it needs --lr-scaling linear or sqrt)"),
-    (["--lr-scaling", "linear"], "--lr-scaling (it needs --base-batch-size, the batch size --lr was tuned for)")])
+    (["--lr-scaling", "linear"], "--lr-scaling (it needs --base-batch-size, the batch size --lr was tuned for)"),
+    # a switch turned off is named as typed (QA: --no-sequence-parallel was said as --sequence-parallel)
+    (["--no-sequence-parallel"], "--no-sequence-parallel (it needs --tp 2 or more)"),
+    (["--cpu-offload"], "--cpu-offload (it needs --fsdp 2 or more)")])
 def test_an_optimisation_option_the_run_would_ignore_is_refused_in_one_line(given, said, tmp_path, capfd):
     """Each trained as if it had not been given, exit 0 (the lr unscaled, AdamW without momentum)."""
     code, lines = _train_here([*given, "--out", "out"], tmp_path, capfd)

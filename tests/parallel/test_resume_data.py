@@ -26,3 +26,14 @@ def test_a_resume_on_a_text_of_another_vocabulary_is_refused_before_any_rank_sta
     assert len(lines) == 1 and lines[0].startswith("fedpar train: cannot resume from ") and \
         "it was made with --data-path block_size=64 vocab_size=10, not block_size=64 vocab_size=18" in lines[0], lines
     assert main([*run, "--data-path", first, "--max-steps", "3"]) == 0  # the same data resumes
+
+
+def test_a_resume_on_another_dataset_names_the_dataset_alone(tmp_path, capsys):
+    """QA: the data's shape came beside it, labelled --data-path (which neither run gave)."""
+    run = ["train", "--checkpoint-every", "1", "--no-plot", "--out", str(tmp_path / "out"), "--max-steps", "2"]
+    assert main([*run, "--dataset", "digits"]) == 0
+    capsys.readouterr()
+    assert main([*run, "--dataset", "synthetic"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "it was made with --dataset digits, not synthetic; run with those settings" in lines[0] \
+        and "--data-path" not in lines[0], lines
