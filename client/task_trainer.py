@@ -68,6 +68,9 @@ def train_task(task: Task, model: nn.Module, data: ClientData, config: LocalConf
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
         raise TaskError(f"task {task.name!r}: train must return a whole number of examples >= 0 first, got "
                         f"{examples!r}")
+    if examples == 0 and not deadline.stopped_early and deadline.remaining() > 0:  # not a member out of time
+        raise TaskError(f"task {task.name!r}: train returned 0 examples, though its deadline did not stop it: return "
+                        "how many examples it trained on, each once per pass (they weigh its update)")
     if examples > len(data.train) * config.epochs:  # the coordinator would refuse the update's weight
         raise TaskError(f"task {task.name!r}: train returned {examples} examples, more than its {len(data.train)} "
                         f"training examples x {config.epochs} epochs: count each example once per pass")

@@ -1,6 +1,6 @@
 """A task's own train hook that breaks what fedpar relies on: one that replaces a layer or recasts the model (its
-weights no longer the coordinator's layout), or that raises SystemExit or KeyboardInterrupt (which end a process, not
-a member's training), fails its member at once in one line, so the round does not wait out its deadline; `fedpar
+weights no longer the coordinator's layout), raises SystemExit or KeyboardInterrupt (which end a process, not a
+member's training), or counts no examples though it had time, fails its member at once in one line, so the round does not wait out its deadline; `fedpar
 train` does not write a model that model() cannot load."""
 
 from __future__ import annotations
@@ -64,6 +64,10 @@ def exits():
 
 def interrupts():
     return _task(_interrupts)
+
+
+def counts_nothing():  # trains, but says it trained on no examples (which weigh its update)
+    return _task(lambda model, data, config, deadline: (0, {"loss": 1.0}))
 '''
 
 DEADLINE = 60
@@ -88,13 +92,18 @@ ENDED = {
              "exception instead",
     "interrupts": "its training raised KeyboardInterrupt, which would end the whole process: raise an exception "
                   "instead",
+    "counts_nothing": "train returned 0 examples, though its deadline did not stop it: return how many examples it "
+                      "trained on, each once per pass (they weigh its update)",
 }
 
 
 @pytest.mark.parametrize("factory", [*CHANGED, *ENDED])
 def test_a_train_hook_that_breaks_the_model_or_ends_the_process_fails_its_members_at_once(factory, tasks, capfd):
     # before: each member's traceback ('update arrays hold 976 bytes; their layout needs 908', or 'Exception in thread
-    # fedpar-seat0'), the seat gone, and every round waited out its deadline for updates that never came
+    # fedpar-seat0'), the seat gone, and every round waited out its deadline for updates that never came; a hook that
+    # counted no examples was taken for a member out of time ('the deadline is short for them'), each round waiting
+    # out its deadline, and the run ended 'too few updates arrived ... check --min-reports, --deadline'
+
     ref = f"{tasks}:{factory}"
     out = tasks.parent / "run"
     run = run_main(["simulate", "--task", ref, "--clients", "3", "--rounds", "2", "--deadline", str(DEADLINE),
