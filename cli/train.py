@@ -217,7 +217,7 @@ def _train(args: argparse.Namespace, world: int, held: contextlib.ExitStack | No
         from fedpar.parallel.checkpoint import check_resume, latest_checkpoint
         from fedpar.parallel.preflight import preflight
 
-        # a checkpoint of another layout, model or data: said here, not by every rank (torchrun's ranks: no memory check)
+        # another layout, model or data said here, not by every rank (ranks torchrun started: no memory check)
         check_resume(cfg, preflight(cfg, 0 if under_launcher else world))
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
         print(f"fedpar train: {exc}", file=sys.stderr)
