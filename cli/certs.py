@@ -23,7 +23,7 @@ from fedpar.cli.user_errors import check_folder_writable, check_output_folder
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.file_lock import FileLock, LockHeld, hold
 from fedpar.security.admission import append_revocation, has_token, mint_token, parse_revocations, \
-    parse_token_hashes
+    parse_token_hashes, read_edited_file
 from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, RESERVED_NAMES, CertPaths, check_agent_id, \
     common_name, ensure_certs, load_certificate, server_san
 from fedpar.sections import Output
@@ -174,6 +174,14 @@ def _take_turn(paths: CertPaths, making: bool) -> FileLock | None:
             time.sleep(0.05)
 
 
+def _check_lists(paths: CertPaths) -> None:
+    """ValueError naming revoked.txt or tokens.txt when either is there and a coordinator cannot read it (edited by
+    hand, saved as UTF-16): said before anything is written, or a revocation appended to it would never apply."""
+    for path, parse in ((paths.revoked, parse_revocations), (paths.tokens, parse_token_hashes)):
+        if path.exists():
+            read_edited_file(path, parse)
+
+
 LOCK_FILE = ".fedpar-certs.lock"  # in the certificate folder while a `fedpar certs` writes there
 TURN_SECONDS = 60.0  # how long one waits for another's turn (each takes well under a second)
 
@@ -201,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
             server_san(args.server_name)  # a bad name is said before a CA is made for a certificate never issued
         issuing = bool(args.agents or args.operators or args.server_name or args.force or not housekeeping)
         lock = _take_turn(paths, making=issuing)
+        _check_lists(paths)
         if issuing:
             report = ensure_certs(args.out, args.agents, args.server_name, args.days, args.force, args.operators)
             if report.created_ca:

@@ -51,7 +51,7 @@ def read_toml_file(path: str | Path, what: str) -> dict[str, Any]:
     except IsADirectoryError:
         raise ValueError(f"{what} {path} is a folder; give a TOML file") from None
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{what} {path} {_not_utf8(exc)}") from None
+        raise ValueError(f"{what} {path} {not_utf8(exc)}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{what} {path} is not valid TOML: {exc}") from None
     except OSError as exc:
@@ -60,7 +60,7 @@ def read_toml_file(path: str | Path, what: str) -> dict[str, Any]:
         raise ValueError(f"{exc}; give a TOML file") from None
 
 
-def _not_utf8(exc: UnicodeDecodeError) -> str:
+def not_utf8(exc: UnicodeDecodeError) -> str:
     """Where a settings file's first byte that is not UTF-8 is, and what to do (was the codec's 'can't decode byte
     0xff in position 0')."""
     before = exc.object[:exc.start]

@@ -24,7 +24,7 @@ import grpc
 from cryptography import x509
 
 from fedpar.protocol.atomicfile import atomic_write_bytes
-from fedpar.protocol.small_files import NotASettingsFile, read_small_file
+from fedpar.protocol.small_files import NotASettingsFile, not_utf8, read_small_file
 from fedpar.security.certs import certificate_role
 
 log = logging.getLogger("fedpar.security")
@@ -171,6 +171,21 @@ def parse_revocations(text: str, source: str = "revocation file") -> tuple[set[s
     return ids, serials
 
 
+def read_edited_file(path: Path, parse: Callable[[str, str], T]) -> T:
+    """``parse`` of the text of ``path``, a file operators edit (revoked.txt, tokens.txt), as a coordinator reads
+    it; ValueError 'cannot use PATH: why' when it cannot be read or parsed."""
+    try:
+        return parse(read_small_file(path, "").decode("utf-8-sig"), str(path))  # -sig: an editor's byte-order mark
+    except OSError as exc:  # its strerror: not "[Errno 21] Is a directory: 'PATH'"
+        raise ValueError(f"cannot use {path}: {exc.strerror or exc}") from None
+    except NotASettingsFile as exc:  # /dev/zero was read until memory ran out
+        raise ValueError(f"cannot use {path}: it {exc.reason}") from None
+    except UnicodeDecodeError as exc:  # e.g. saved as UTF-16 by an editor
+        raise ValueError(f"cannot use {path}: it {not_utf8(exc)}") from None
+    except ValueError as exc:
+        raise ValueError(f"cannot use {path}: {exc}") from None
+
+
 class WatchedFile:
     """The parsed contents of a text file that operators edit while the coordinator runs.
 
@@ -188,6 +203,7 @@ class WatchedFile:
         self.path = Path(path) if path else None
         self._parse = parse
         self._signature: tuple | None = ()
+        self._unusable: tuple | None = ()  # the signature of the file last found unusable (said once)
         self._lock = threading.Lock()
         # said: another process said the first reading (a rank's launcher); quiet: another one says every reading
         self._said_first, self.quiet = said, quiet
@@ -219,19 +235,17 @@ class WatchedFile:
         except OSError as exc:
             return self._failed(f"cannot stat {self.path}: {exc.strerror}", strict)
         with self._lock:
-            if signature == self._signature:
+            # an unusable file is said once, not at each call that checks it (every few seconds, for as long as it
+            # stays so); a start (strict) is refused each time
+            if signature == self._signature or (signature == self._unusable and not strict):
                 return self.value
             try:
-                text = read_small_file(self.path, "").decode("utf-8") if signature is not None else ""
-                self.value = self._parse(text, str(self.path))
-            except OSError as exc:  # its strerror: not "[Errno 21] Is a directory: 'PATH'"
-                return self._failed(f"cannot use {self.path}: {exc.strerror or exc}", strict)
-            except NotASettingsFile as exc:  # /dev/zero was read until memory ran out
-                return self._failed(f"cannot use {self.path}: it {exc.reason}", strict)
-            except UnicodeDecodeError:
-                return self._failed(f"cannot use {self.path}: it is not a text file", strict)
+                self.value = read_edited_file(self.path, self._parse) if signature is not None else \
+                    self._parse("", str(self.path))
             except ValueError as exc:
-                return self._failed(f"cannot use {self.path}: {exc}", strict)
+                if not strict:
+                    self._unusable = signature
+                return self._failed(str(exc), strict)
             first, self._signature = self._signature == (), signature
         if self.quiet or (first and self._said_first):
             return self.value
