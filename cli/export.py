@@ -41,8 +41,11 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.server.final_model import read_final_model
 
     if not args.source.exists():
+        run_id = str(args.source)
+        service = (f" (a service's run {run_id}? 'fedpar run get {run_id} --out DIR' downloads its model, then export "
+                   "DIR)") if run_id.isdigit() else ""
         raise UserError(f"{args.source} does not exist; give a run's --out folder, a global.safetensors file or "
-                        "a coordinator checkpoint directory")
+                        f"a coordinator checkpoint directory{service}")
     if args.to.is_dir():
         raise UserError(f"--to {args.to} is a folder; name the file to write, e.g. {args.to / 'model.pt'}")
     _check_folders_of(args.to)

@@ -1,7 +1,8 @@
-"""`fedpar export` of a service run's outputs folder (STATE.runs/ID) while the run still runs: its model is written as
-it ends, so the folder holds only its metrics and its checkpoints. It said the folder 'holds neither
-global.safetensors (a run's --out folder) nor LATEST (a coordinator checkpoint directory)', which reads as a wrong
-folder; it now names the checkpoints folder to export, whose export is that checkpoint's model."""
+"""`fedpar export` as an operator of a service uses it. Of a run's outputs folder (STATE.runs/ID) while the run still
+runs: its model is written as it ends, so the folder holds only its metrics and its checkpoints. It said the folder
+'holds neither global.safetensors (a run's --out folder) nor LATEST (a coordinator checkpoint directory)', which reads
+as a wrong folder; it now names the checkpoints folder to export, whose export is that checkpoint's model. Of a run id
+(as `fedpar run get` takes): it said only that no such file exists; it now says how to get that run's model."""
 
 from __future__ import annotations
 
@@ -29,3 +30,13 @@ def test_export_of_a_running_service_runs_folder_names_its_checkpoints(tmp_path,
     assert done.returncode == 0, done.stderr
     exported = torch.load(tmp_path / "m.pt", weights_only=True)
     assert list(exported) == names and all(np.array_equal(exported[n].numpy(), w) for n, w in zip(names, weights))
+
+
+def test_export_of_a_run_id_says_how_to_get_that_runs_model(tmp_path, capfd):
+    done = run_main(["export", "7", "--to", "m.pt"], capfd, tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.splitlines() == [
+        "fedpar export: 7 does not exist; give a run's --out folder, a global.safetensors file or a coordinator "
+        "checkpoint directory (a service's run 7? 'fedpar run get 7 --out DIR' downloads its model, then export "
+        "DIR)"], done.stderr
+    assert not (tmp_path / "m.pt").exists()
