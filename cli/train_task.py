@@ -31,7 +31,7 @@ from fedpar.parallel.epoch_checkpoint import (check_epoch_checkpoint, latest_epo
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.metrics import StepMetricsLog, plot_loss_curve, write_json_atomic
 from fedpar.task import (ClientData, Deadline, LocalConfig, Partition, Task, TaskError, TaskFailed,
-                         check_training_data, checked_client_data, raised)
+                         check_test_data, check_training_data, checked_client_data, raised)
 from fedpar.tasks.data import on_device
 from fedpar.tasks.reference import from_anywhere
 from fedpar.tasks.evaluation import evaluate_task, finite
@@ -173,6 +173,7 @@ def _epochs_shown(bar: StepBar, task: Task, cfg: TrainConfig, model: torch.nn.Mo
     eval_device = next(model.parameters()).device
     with task_code("test_data()"):
         test = task.test_data() if task.test_data is not None else None
+    check_test_data(task.name, test)
     scored, prefix = (on_device(test, eval_device), "test_") if test is not None else (val, "val_")
     checkpoints = TaskCheckpoints(cfg, task)
     counters = checkpoints.resume(model, bar)

@@ -230,6 +230,14 @@ def check_training_data(task_name: str, data: ClientData) -> None:
         raise TaskError(f"task {task_name!r}: client_data gave no training examples")
 
 
+def check_test_data(task_name: str, dataset: Any) -> None:
+    """TaskError, in one line, when a task's test_data() gave a dataset of no examples (None: no central evaluation,
+    as meant; an empty one ran without it, unsaid)."""
+    if dataset is not None and hasattr(dataset, "__len__") and not len(dataset):
+        raise TaskError(f"task {task_name!r}: test_data() gave a dataset of no examples: return the held-out examples, "
+                        "or None for no central evaluation")
+
+
 TrainHook = Callable[["nn.Module", ClientData, LocalConfig, Deadline], "tuple[int, dict[str, float]]"]
 EvaluateHook = Callable[["nn.Module", Any], "dict[str, float]"]
 

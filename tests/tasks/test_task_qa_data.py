@@ -1,0 +1,57 @@
+"""A task whose test_data() gives an empty dataset (a split cut at the wrong index, a filter that kept nothing) is
+refused in one line as it loads, not run with no central evaluation and no word of it; None stays the way to say
+there is none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from support.in_process import run_main
+
+TASKS = '''
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from fedpar import Task
+from fedpar.tasks import share_of
+
+X = torch.randn(100, 4, generator=torch.Generator().manual_seed(0))
+Y = (X[:, 0] > 0).long()
+TRAIN, TEST = TensorDataset(X[:80], Y[:80]), TensorDataset(X[100:], Y[100:])  # the test split cut past the end
+
+
+def task():
+    return Task(model=lambda: nn.Linear(4, 2), client_data=lambda p: share_of(TRAIN, p), test_data=lambda: TEST,
+                loss=nn.functional.cross_entropy)
+
+
+def without():
+    return Task(model=lambda: nn.Linear(4, 2), client_data=lambda p: share_of(TRAIN, p), test_data=lambda: None,
+                loss=nn.functional.cross_entropy)
+'''
+
+
+@pytest.fixture
+def tasks(tmp_path: Path) -> Path:
+    path = tmp_path / "empty_test.py"
+    path.write_text(TASKS)
+    return path
+
+
+@pytest.mark.parametrize("command", [["simulate", "--clients", "2", "--rounds", "1", "--quiet"],
+                                     ["train", "--epochs", "1", "--no-plot"]], ids=lambda c: c[0])
+def test_an_empty_test_set_is_refused_in_one_line_and_none_still_means_no_central_evaluation(command, tasks, capfd):
+    # before: both ran to the end, exit 0, with no test metrics and no word of why
+    ref = f"{tasks}:task"
+    out = tasks.parent / "out"
+    run = run_main([command[0], "--task", ref, *command[1:], "--out", str(out)], capfd, tasks.parent)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"fedpar {command[0]}: task {ref!r}: test_data() gave a dataset of no examples: return the held-out examples, "
+        "or None for no central evaluation"), lines
+    assert not (out / "global.safetensors").exists()
+    run = run_main([command[0], "--task", f"{tasks}:without", *command[1:], "--out", str(out)], capfd, tasks.parent)
+    assert run.returncode == 0, run.stderr
