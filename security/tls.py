@@ -120,6 +120,17 @@ def _flag_of(cert: x509.Certificate) -> str:
     return "--operators" if OPERATOR_ROLE in units else "--agents"
 
 
+def _reissue_pair(cert: x509.Certificate) -> str:
+    """The 'fedpar certs' command that issues a new certificate and key in place of ``cert``'s."""
+    try:
+        server = ExtendedKeyUsageOID.SERVER_AUTH in cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        server = False
+    if server:
+        return "'fedpar certs --out DIR --server-name NAME' (one per name agents dial)"
+    return f"'fedpar certs --out DIR {_flag_of(cert)} {common_name(cert)} --force'"
+
+
 def _valid_now(cert: x509.Certificate) -> bool:
     """Whether the clock of this machine is within ``cert``'s validity."""
     return cert.not_valid_before_utc <= dt.datetime.now(dt.timezone.utc) <= cert.not_valid_after_utc
@@ -156,12 +167,16 @@ def check_leaf(cert: x509.Certificate, path: Path, usage: str | None) -> None:
 def load_pair(files: TlsFiles, usage: str | None = None) -> tuple[bytes, bytes]:
     """The certificate and key PEM of ``files``, checked (readable, PEM, fit for ``usage``: see
     :func:`check_leaf`, the key matches the certificate); a TlsSetupError saying which file is wrong."""
-    cert_pem, key_pem = _read(files.cert, "certificate"), _read(files.key, "private key")
+    cert_pem = _read(files.cert, "certificate")
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)
     except ValueError:
         raise TlsSetupError(f"{files.cert} is not a PEM certificate") from None
     check_leaf(cert, files.cert, usage)
+    if files.key is not None and not files.key.exists():  # 'make certificates with fedpar certs' kept this one
+        raise TlsSetupError(f"private key {files.key} does not exist beside its certificate {files.cert}; give the key "
+                            f"made with it, or re-issue the pair: {_reissue_pair(cert)}")
+    key_pem = _read(files.key, "private key")
     try:
         key = serialization.load_pem_private_key(key_pem, password=None)
     except (ValueError, TypeError):
