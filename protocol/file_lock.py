@@ -29,10 +29,15 @@ class FileLock:
     def release(self, refused: bool = False, remove: bool = False) -> None:
         """Let the lock go; a start ``refused`` takes away the file it made, and ``remove`` the file whoever made it
         (a crashed run's, taken over), while it holds it: a start beside it was refused, and the next one makes a
-        new file."""
-        if remove or (refused and self.made):
-            Path(self.handle.name).unlink(missing_ok=True)
-        self.handle.close()
+        new file. A file it cannot take away (its folder made read-only meanwhile) stays: no one holds it, and the
+        error that matters to the run's user is the one its run met writing there."""
+        try:
+            if remove or (refused and self.made):
+                Path(self.handle.name).unlink(missing_ok=True)
+        except OSError:
+            pass
+        finally:
+            self.handle.close()
 
 
 def hold(name: Path) -> FileLock:
