@@ -14,7 +14,7 @@ from pathlib import Path
 from fedpar.cli.config import ConfigError, ignored_given
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.tlsopts import TlsFileOptions
-from fedpar.cli.user_errors import UserError, check_output_folder, quiet_exit_for_pipe
+from fedpar.cli.user_errors import UserError, check_folder_writable, check_output_folder, quiet_exit_for_pipe
 from fedpar.sections import Output
 from fedpar.settings import setting
 
@@ -272,6 +272,7 @@ def _get(args: argparse.Namespace, stub, run_id: int) -> int:
     from fedpar.simulations.run_outputs import check_run_files
 
     check_output_folder(args.out)
+    check_folder_writable(args.out, "--out")  # was said as the first file failed, after the download began, exit 1
     check_run_files(args.out, RUN_FILES)  # a folder in a file's place: was exit 1 after the download, .part files left
     out = Path(args.out)
     made = not out.exists()
