@@ -30,7 +30,7 @@ from fedpar.parallel.epoch_checkpoint import (check_epoch_checkpoint, latest_epo
                                               save_epoch_checkpoint)
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.metrics import StepMetricsLog, plot_loss_curve, write_json_atomic
-from fedpar.task import (ClientData, Deadline, LocalConfig, Partition, Task, TaskError, TaskFailed,
+from fedpar.task import (TASK_CODE_ERRORS, ClientData, Deadline, LocalConfig, Partition, Task, TaskError, TaskFailed,
                          check_test_data, check_training_data, checked_client_data, raised)
 from fedpar.tasks.data import on_device
 from fedpar.tasks.reference import from_anywhere
@@ -58,7 +58,7 @@ class task_code:
         return None
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
-        if not isinstance(exc, Exception) or isinstance(exc, TaskFailed):
+        if not isinstance(exc, TASK_CODE_ERRORS) or isinstance(exc, TaskFailed):
             return False
         if peer_lost(exc):  # not the task's doing: the launcher stops this rank meanwhile
             time.sleep(PEER_LOST_GRACE_SECONDS)

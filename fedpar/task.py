@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+# What the task's own code may raise that is its failure: any exception, and a sys.exit() in it (said in one line as
+# they are; a KeyboardInterrupt is the user's Ctrl-C where one can arrive, on the main thread)
+TASK_CODE_ERRORS = (Exception, SystemExit)
+
+
 class TaskError(ValueError):
     """A task that cannot be run as it is, with the line that says what to change."""
 
@@ -319,7 +324,7 @@ class Task:
 
         try:
             model = self.model()
-        except Exception as exc:  # the task's own code: one line
+        except TASK_CODE_ERRORS as exc:  # the task's own code: one line
             raise TaskError(f"task {self.name!r}: model() raised {raised(exc)}") from exc
         if not isinstance(model, nn.Module):
             raise TaskError(f"task {self.name!r}: {MODEL_FACTORY}; model() returned a {type(model).__name__}")
@@ -357,7 +362,7 @@ class Task:
         ClientData, or holds no training examples."""
         try:
             data = self.client_data(partition)
-        except Exception as exc:  # the task's own code: one line
+        except TASK_CODE_ERRORS as exc:  # the task's own code: one line
             raise TaskError(f"the task's client_data raised {raised(exc)} for partition {partition.index} of "
                             f"{partition.count}: fix the task ({self.name})") from exc
         check_training_data(self.name, checked_client_data(data))

@@ -54,14 +54,18 @@ def _load_file(path: str, ref: str):
     sys.modules[unique] = module  # dataclasses and typing resolve names through sys.modules
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a script's argparse, say, reading fedpar's command line
         del sys.modules[unique]
         raise ValueError(f"running {path} failed: {type(exc).__name__}: {exc}{_sibling_hint(exc, file)}") from None
     return module
 
 
-def _sibling_hint(exc: Exception, file: Path) -> str:
-    """How to import a module that lies beside ``file`` (its folder is not on sys.path), when ``exc`` failed to."""
+def _sibling_hint(exc: BaseException, file: Path) -> str:
+    """How to import a module that lies beside ``file`` (its folder is not on sys.path), when ``exc`` failed to; how
+    to keep a script's part from running as it is loaded, when ``exc`` is its exit."""
+    if isinstance(exc, SystemExit):
+        return (" (it exited as it was loaded: a file fedpar loads must not parse the command line or exit when "
+                "imported; put its script part under if __name__ == '__main__':)")
     top = (getattr(exc, "name", None) or "").partition(".")[0]
     if not isinstance(exc, ModuleNotFoundError) or not top:
         return ""

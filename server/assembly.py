@@ -23,7 +23,7 @@ from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator, EvaluateFn, RoundCallback
 from fedpar.server.members import Members
-from fedpar.task import Task, TaskError, check_test_data, checked_task, raised
+from fedpar.task import TASK_CODE_ERRORS, Task, TaskError, check_test_data, checked_task, raised
 from fedpar.tasks.evaluation import TaskEvaluator
 from fedpar.tasks.flower_app import FlowerApp
 from fedpar.tasks.zoo import classifier_for
@@ -75,7 +75,7 @@ class CoordinatorAssembly:
         evaluate = None
         try:
             test_data = task.test_data() if eval_device is not None and task.test_data is not None else None
-        except Exception as exc:  # the task's own code: one line
+        except TASK_CODE_ERRORS as exc:  # the task's own code: one line
             raise TaskError(f"the task's test_data raised {raised(exc)}: fix the task ({task.name})") from exc
         check_test_data(task.name, test_data)
         if test_data is not None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from fedpar.models.references import load_reference, split_reference
 from fedpar.settings import SIMPLE_TYPES, coerce_value
-from fedpar.task import Task, TaskError, raised
+from fedpar.task import TASK_CODE_ERRORS, Task, TaskError, raised
 
 
 def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
@@ -47,7 +47,7 @@ def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
             task = target(**arguments)
         except TaskError:
             raise
-        except Exception as exc:  # the task's own code: one line, as a file that fails to run is said
+        except TASK_CODE_ERRORS as exc:  # the task's own code: one line, as a file that fails to run is said
             raise TaskError(f"--task {ref}: {_option_of(exc, options)}the factory raised {raised(exc)}") from exc
     else:
         raise TaskError(f"--task {ref} is a {type(target).__name__}; it must name a function returning a fedpar.Task")

@@ -1,7 +1,7 @@
 """A task's own train hook that breaks what fedpar relies on: one that replaces a layer or recasts the model (its
 weights no longer the coordinator's layout), raises SystemExit or KeyboardInterrupt (which end a process, not a
-member's training), or counts no examples though it had time, fails its member at once in one line, so the round does not wait out its deadline; `fedpar
-train` does not write a model that model() cannot load."""
+member's training), or counts no examples though it had time, fails its member at once in one line, so the round
+does not wait out its deadline; `fedpar train` does not write a model that model() cannot load."""
 
 from __future__ import annotations
 
