@@ -63,6 +63,9 @@ def _lock(path: Path) -> FileLock:
         by = f"another fedpar serve (pid {held.pid})" if held.pid else "another fedpar serve"
         raise UserError(f"state file {path} is in use by {by}; stop it, or give another --state") from None
     except OSError as exc:  # a folder where its lock file goes: was exit 1, '(--debug shows the traceback)'
+        if not lock.exists() and not lock.is_symlink():  # nothing to move aside: the folder takes no file
+            raise UserError(f"state file {path} cannot be locked: its folder {lock.parent} cannot be written "
+                            f"({exc.strerror or exc}); give --state a path in a folder this user can write") from None
         raise UserError(f"state file {path} cannot be locked: {lock} is not a file this service can use "
                         f"({exc.strerror or exc}); move it aside, or give another --state") from None
 
