@@ -429,6 +429,7 @@ class TensorBoardScalars:
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
         self.step_key = step_key
         self.prefix = prefix
+        self._at: tuple[int, set[str]] = (-1, set())  # the last step written and its tags
 
     def resume(self, row: dict | None) -> None:
         """A run resumed after the round of ``row`` (its metrics row, which a resume may have repaired; None: a run
@@ -444,13 +445,19 @@ class TensorBoardScalars:
         self.write(row)
 
     def write(self, row: dict) -> None:
-        """One row's finite numbers (booleans and text are skipped), flushed so a running TensorBoard sees them."""
+        """One row's finite numbers (booleans and text are skipped), flushed so a running TensorBoard sees them. A tag
+        the step's earlier row wrote already is left out (train's evaluation of a logged step repeats its epoch):
+        one point per tag and step."""
         step = int(row.get(self.step_key, 0))
+        if step != self._at[0]:
+            self._at = (step, set())
+        written = self._at[1]
         for key, value in row.items():
             if key == self.step_key or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            if math.isfinite(value):
+            if math.isfinite(value) and key not in written:
                 self.writer.add_scalar(f"{self.prefix}{key}", value, step)
+                written.add(key)
         self.writer.flush()
 
     def close(self) -> None:
