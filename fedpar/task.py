@@ -229,10 +229,11 @@ def check_dataset(what: str, value: Any) -> None:
                         "TensorDataset(inputs, targets) (torch.utils.data)")
 
 
-def check_training_data(task_name: str, data: ClientData) -> None:
-    """TaskError, in one line, when a task's client data holds no training examples."""
+def check_training_data(task_name: str, data: ClientData, whose: str = "") -> None:
+    """TaskError, in one line, when a task's client data (``whose``: which client's, e.g. 'partition 2 of 8') holds
+    no training examples."""
     if data.train is None or not len(data.train):
-        raise TaskError(f"task {task_name!r}: client_data gave no training examples")
+        raise TaskError(f"task {task_name!r}: client_data gave no training examples{f' for {whose}' if whose else ''}")
 
 
 def check_test_data(task_name: str, dataset: Any) -> None:
@@ -365,7 +366,7 @@ class Task:
         except TASK_CODE_ERRORS as exc:  # the task's own code: one line
             raise TaskError(f"the task's client_data raised {raised(exc)} for partition {partition.index} of "
                             f"{partition.count}: fix the task ({self.name})") from exc
-        check_training_data(self.name, checked_client_data(data))
+        check_training_data(self.name, checked_client_data(data), f"partition {partition.index} of {partition.count}")
         return data
 
     def _methods_not_called(self) -> list[str]:

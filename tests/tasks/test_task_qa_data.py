@@ -1,6 +1,6 @@
 """A task whose test_data() gives an empty dataset (a split cut at the wrong index, a filter that kept nothing) is
 refused in one line as it loads, not run with no central evaluation and no word of it; None stays the way to say
-there is none."""
+there is none. A client whose client_data holds no training examples is named, among many."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ TASKS = '''
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
-from fedpar import Task
+from fedpar import ClientData, Task
 from fedpar.tasks import share_of
 
 X = torch.randn(100, 4, generator=torch.Generator().manual_seed(0))
@@ -25,6 +25,16 @@ TRAIN, TEST = TensorDataset(X[:80], Y[:80]), TensorDataset(X[100:], Y[100:])  # 
 def task():
     return Task(model=lambda: nn.Linear(4, 2), client_data=lambda p: share_of(TRAIN, p), test_data=lambda: TEST,
                 loss=nn.functional.cross_entropy)
+
+
+def _one_empty(partition):
+    if partition.index == 2:
+        return ClientData(TensorDataset(X[:0], Y[:0]))
+    return share_of(TRAIN, partition)
+
+
+def one_client_empty():
+    return Task(model=lambda: nn.Linear(4, 2), client_data=_one_empty, loss=nn.functional.cross_entropy)
 
 
 def without():
@@ -55,3 +65,19 @@ def test_an_empty_test_set_is_refused_in_one_line_and_none_still_means_no_centra
     assert not (out / "global.safetensors").exists()
     run = run_main([command[0], "--task", f"{tasks}:without", *command[1:], "--out", str(out)], capfd, tasks.parent)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_client_with_no_training_examples_is_named(tasks, capfd):
+    # before: each round it was sampled in failed it ('1 of 6 sampled agents failed their task: data failed: task
+    # ...: client_data gave no training examples'), which of them not said
+    ref = f"{tasks}:one_client_empty"
+    run = run_main(["simulate", "--task", ref, "--clients", "6", "--rounds", "1", "--quiet", "--out", "out"], capfd,
+                   tasks.parent)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [f"fedpar simulate: task {ref!r}: client_data gave no training examples "
+                                               f"for client-0002: fix the task ({ref})"]
+    run = run_main(["client", "--insecure", "--server", "127.0.0.1:9", "--agent-id", "a", "--task", ref,
+                    "--num-partitions", "3", "--partition-index", "2"], capfd, tasks.parent)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        f"fedpar client: task {ref!r}: client_data gave no training examples for partition 2 of 3"), run.stderr
