@@ -30,8 +30,8 @@ def partition_indices(splits: DatasetSplits, spec: str, num_clients: int, seed: 
     if spec == "natural":
         owners = splits.train_owners
         if owners is None:
-            raise ValueError("--partition natural needs data whose examples have owners (e.g. synthetic); "
-                             "use iid, dirichlet:ALPHA or shards:N")
+            raise ValueError("--partition natural needs data whose examples have owners (synthetic, or a table with "
+                             "a 'client' column saying who wrote each example); use iid, dirichlet:ALPHA or shards:K")
         found = int(owners.max()) + 1 if len(owners) else 0
         if found != num_clients:
             raise ValueError(f"the data has {counted(found, 'client')} of its own; run it with --clients {found}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import zipfile
+from array import array
 from typing import Callable
 import zlib
 from pathlib import Path
@@ -118,6 +119,7 @@ def load_npz_table(path: str | Path) -> DatasetSplits:
         raise ValueError(f"{path} cannot be read as a NumPy .npz archive ({exc}); save it again with "
                          "np.savez(path, x=..., y=...)") from None
     _check_npz_shapes(path, x, y, client)
+    y = _npz_labels(path, y)
     if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
         raise ValueError(f"{path}: x must be numeric, got dtype {x.dtype}")
     if np.iscomplexobj(x):  # else cast to float32 with only a warning: the imaginary parts silently dropped
@@ -133,6 +135,29 @@ def _check_npz_shapes(path: Path, x: np.ndarray, y: np.ndarray, client: np.ndarr
                          f"each: x[:, None]) and y must be 1-D, got x {x.shape} and y {y.shape}")
     if client is not None and client.ndim != 1:
         raise ValueError(f"{path}: client must be 1-D, one id per example, got {client.shape}")
+    if len(x) != len(y):
+        raise ValueError(f"{path}: x holds {len(x)} examples and y {len(y)}; give one label per example")
+    if client is not None and len(client) != len(y):
+        raise ValueError(f"{path}: x and y hold {len(y)} examples and client holds {len(client)}; give one client "
+                         "per example")
+    if not len(y):
+        raise ValueError(f"{path}: x and y hold no examples; give it one row of x per example")
+
+
+def _npz_labels(path: Path, y: np.ndarray) -> np.ndarray:
+    """An .npz's labels ``y`` as integers: whole floats (as pandas keeps a column) are their class numbers;
+    ValueError naming the first that is no class number, or the dtype of labels that are not numbers."""
+    if np.issubdtype(y.dtype, np.integer):
+        return y
+    if not np.issubdtype(y.dtype, np.floating):
+        raise ValueError(f"{path}: y holds {y.dtype}, not class numbers; labels are class numbers 0..K-1: number "
+                         "them the same way at every site, e.g. y = np.unique(y, return_inverse=True)[1]")
+    whole = np.isfinite(y) & (np.round(y) == y) & (np.abs(y) <= 2.0 ** 53)  # past 2^53 a float is no exact number
+    if not whole.all():
+        first = int(np.argmin(whole))
+        raise ValueError(f"{path}: {_npz_label_place(first)} is {y[first]:g}, not a class number; labels are "
+                         "class numbers 0..K-1")
+    return y.astype(np.int64)
 
 
 def _npz_owners(path: Path, client: np.ndarray | None) -> np.ndarray | None:
@@ -180,53 +205,95 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's UTF-8 CSV starts with a BOM
             reader = csv.reader(f)
-            header = next(reader, None)
-            separator = _other_separator(header or [])
-            if separator:  # else "needs a 'label' column" of a header that has one, unsplit
-                raise ValueError(f"{path} looks separated by {separator}, not commas (its header row is one column); "
-                                 "fedpar reads comma-separated files: save it with commas between the cells")
-            if not header or "label" not in header:
-                raise ValueError(f"{path} needs a header row with a 'label' column (and optionally 'client')")
-            twice = [name for name in ("label", "client") if header.count(name) > 1]
-            if twice:  # else the first is read and the others taken for features
-                raise ValueError(f"{path}: its header names the column {twice[0]!r} {header.count(twice[0])} times; "
-                                 "keep one, renaming the others")
+            header = _csv_header(path, next(reader, None))
             label, client = header.index("label"), header.index("client") if "client" in header else None
-            rows, lines = _csv_rows(reader, len(header), client, path)
+            features = [i for i in range(len(header)) if i not in (label, client)]
+            x, y, owners, lines = _csv_columns(reader, path, header, features, label, client)
     except (UnicodeDecodeError, csv.Error) as exc:  # a binary file, e.g. an .npz or a spreadsheet's own format
         raise ValueError(f"{path} is not a CSV text file ({exc}); it must be {CSV_FILE}, in UTF-8") from None
-    features = [i for i in range(len(header)) if i not in (label, client)]
-    try:
-        x = np.array([[float(r[i]) for i in features] for r in rows]).reshape(len(rows), len(features))
-        y = np.array([_class_number(r[label]) for r in rows], np.int64)
-    except ValueError:
-        raise ValueError(_first_bad_cell(path, rows, lines, header, features, label)) from None
-    except OverflowError:  # a label past int64: no class number
-        raise ValueError(f"{path}: labels are class numbers 0..K-1 (K at most {MAX_CLASSES}), but one is beyond "
-                         "int64; renumber them") from None
-    owners = owner_numbers(np.array([r[client] for r in rows])) if client is not None else None
-    return _checked(path, x, y, owners, lambda row, col: f"line {lines[row]}, column {header[features[col]]!r}")
+    if not len(y):
+        raise ValueError(f"{path} has no examples: only its header row; give it one row per example")
+    return _checked(path, x, y, owners, lambda row, col: f"line {lines[row]}, column {header[features[col]]!r}",
+                    lambda row: f"line {lines[row]}, the label")
 
 
-def _first_bad_cell(path: Path, rows: list[list[str]], lines: list[int], header: list[str], features: list[int],
-                    label: int) -> str:
-    """The line naming the first cell of ``rows`` that is no number (a feature) or no whole number (the label), by its
-    line and column."""
-    for row, line in zip(rows, lines):
-        for i in features:
-            try:
-                float(row[i])
-            except ValueError:
-                if not row[i].strip():
-                    return f"{path}: line {line}, column {header[i]!r} is blank; fill in every feature, or drop the row"
-                return (f"{path}: line {line}, column {header[i]!r} is {row[i].strip()!r}, not a number; every "
-                        "feature must be numeric (drop the column, or encode it as numbers)")
+def _csv_header(path: Path, header: list[str] | None) -> list[str]:
+    """The column names of a CSV's first row ``header``, trimmed (as typed: 'a, b, label'); ValueError saying what
+    is wrong with it unless it names a 'label' column, and every column once at most."""
+    header = [name.strip() for name in header or []]
+    separator = _other_separator(header)
+    if separator:  # else "needs a 'label' column" of a header that has one, unsplit
+        raise ValueError(f"{path} looks separated by {separator}, not commas (its header row is one column); "
+                         "fedpar reads comma-separated files: save it with commas between the cells")
+    if "label" not in header:
+        other = next((name for name in header if name.lower() == "label"), None)
+        if other is not None:
+            raise ValueError(f"{path}: its column {other!r} must be named 'label', in lower case")
+        raise ValueError(f"{path} needs a header row with a 'label' column (and optionally 'client')")
+    twice = [name for name in ("label", "client") if header.count(name) > 1]
+    if twice:  # else the first is read and the others taken for features
+        raise ValueError(f"{path}: its header names the column {twice[0]!r} {header.count(twice[0])} times; keep "
+                         "one, renaming the others")
+    if "" in header:  # else each row is told its cell there is blank, of a column the user never wrote
+        unnamed = header.index("")
+        trailing = unnamed == len(header) - 1
+        raise ValueError(f"{path}: its header's column {unnamed + 1} has no name"
+                         + (" (a trailing comma at the end of its lines?)" if trailing else "")
+                         + ("; remove the trailing commas, or name every column" if trailing
+                            else "; name every column"))
+    return header
+
+
+def _csv_columns(reader, path: Path, header: list[str], features: list[int], label: int, client: int | None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """The features, labels and owners (None without a client column) of the data rows of ``reader``, and each
+    row's line number, read row by row into arrays (a few bytes a cell, not a string each); blank lines are skipped
+    (a spreadsheet's trailing ones). ValueError naming the first line whose cells are not one per column, whose
+    client is blank, or whose feature is no number or label no whole number."""
+    values, labels, lines, codes, ids = array("d"), array("q"), array("q"), array("q"), {}
+    width = len(header)
+    for row in reader:
+        if not any(cell.strip() for cell in row):
+            continue
+        line = reader.line_num
+        if len(row) != width:  # short: read as a missing feature; long: its extra cells silently dropped
+            raise ValueError(f"{path}: line {line} has {len(row)} cells but the header has {width} columns; give "
+                             "every row one cell per column")
+        if client is not None:
+            if not row[client].strip():
+                raise ValueError(f"{path}: line {line} has no client; fill in who wrote each example, or drop the "
+                                 "client column")
+            codes.append(ids.setdefault(row[client], len(ids)))
         try:
-            _class_number(row[label])
+            values.extend([float(row[i]) for i in features])
         except ValueError:
-            return (f"{path}: line {line}, the label {row[label].strip()!r} is not a whole number; labels are class "
-                    "numbers 0..K-1")
-    return f"{path}: every row needs a whole-number label and numeric features"
+            raise ValueError(_bad_feature(path, line, row, header, features)) from None
+        try:
+            labels.append(_class_number(row[label]))
+        except ValueError:
+            raise ValueError(f"{path}: line {line}, the label {row[label].strip()!r} is not a whole number; labels "
+                             "are class numbers 0..K-1") from None
+        except OverflowError:  # a label past int64: no class number
+            raise ValueError(f"{path}: labels are class numbers 0..K-1 (K at most {MAX_CLASSES}), but one is "
+                             "beyond int64; renumber them") from None
+        lines.append(line)
+    x = (np.frombuffer(values, np.float64).reshape(len(labels), len(features)) if values
+         else np.zeros((len(labels), len(features))))
+    owners = owner_numbers(np.array(list(ids)))[np.frombuffer(codes, np.int64)] if client is not None and ids else None
+    return x, np.frombuffer(labels, np.int64) if labels else np.zeros(0, np.int64), owners, np.asarray(lines)
+
+
+def _bad_feature(path: Path, line: int, row: list[str], header: list[str], features: list[int]) -> str:
+    """The line naming the first feature cell of ``row`` (on line ``line``) that is no number."""
+    for i in features:
+        try:
+            float(row[i])
+        except ValueError:
+            if not row[i].strip():
+                return f"{path}: line {line}, column {header[i]!r} is blank; fill in every feature, or drop the row"
+            return (f"{path}: line {line}, column {header[i]!r} is {row[i].strip()!r}, not a number; every feature "
+                    "must be numeric (drop the column, or encode it as numbers)")
+    return f"{path}: line {line}: every feature must be a number"
 
 
 SEPARATORS = {";": "';'", "\t": "tabs"}  # what a spreadsheet writes instead of commas, as a line says it
@@ -250,35 +317,16 @@ def _class_number(cell: str) -> int:
     return int(value)
 
 
-def _csv_rows(reader, width: int, client: int | None, path: Path) -> tuple[list[list[str]], list[int]]:
-    """The data rows of ``reader``, blank lines skipped (a spreadsheet's trailing ones), and each one's line number;
-    ValueError naming the first line whose cells are not one per column, or whose client is blank."""
-    rows, lines = [], []
-    for row in reader:
-        if not any(cell.strip() for cell in row):
-            continue
-        if len(row) != width:  # short: read as a missing feature; long: its extra cells silently dropped
-            raise ValueError(f"{path}: line {reader.line_num} has {len(row)} cells but the header has {width} "
-                             "columns; give every row one cell per column")
-        if client is not None and not row[client].strip():
-            raise ValueError(f"{path}: line {reader.line_num} has no client; fill in who wrote each example, or "
-                             "drop the client column")
-        rows.append(row)
-        lines.append(reader.line_num)
-    return rows, lines
-
-
 def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None,
-             place: Callable[[int, int], str] | None = None) -> DatasetSplits:
-    """The splits of a table's examples, once its labels and features are checked; ``place(example, feature)`` says
-    where a bad feature is in the user's file."""
-    y = np.asarray(y)
-    if len(x) != len(y) or (owners is not None and len(owners) != len(y)) or not len(y):
-        raise ValueError(f"{path}: x, y (and client) must hold the same, non-zero number of examples")
+             place: Callable[[int, int], str] | None = None,
+             label_place: Callable[[int], str] | None = None) -> DatasetSplits:
+    """The splits of a table's examples (as many in x, y and owners, one at least), once its labels and features are
+    checked; ``place(example, feature)`` and ``label_place(example)`` say where a bad feature or label is in the
+    user's file."""
     if not np.prod(x.shape[1:]):  # else the model's refusal, in the words of its in_features
         raise ValueError(f"{path}: the examples have no features; give it at least one numeric feature (a csv: a "
                          "column besides label and client)")
-    _check_labels(path, y)
+    _check_labels(path, y, label_place or _npz_label_place)
     splits = owned_splits(_float32_features(path, x, place or _npz_place), y, owners)
     if not len(splits.test):  # else simulate reports no accuracy and train stops on an empty evaluation
         raise ValueError(f"{path}: its {len(y)} examples leave none for the test set (a fifth of each client's, "
@@ -286,10 +334,13 @@ def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None,
     return splits
 
 
-def _check_labels(path, y: np.ndarray) -> None:
-    """ValueError saying what is wrong with labels ``y`` unless they are class numbers of two classes or more."""
-    if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
-        raise ValueError(f"{path}: labels must be whole numbers >= 0")
+def _check_labels(path, y: np.ndarray, place: Callable[[int], str]) -> None:
+    """ValueError saying what is wrong with labels ``y`` (integers) unless they are class numbers of two classes or
+    more; ``place(example)`` says where a label is in the user's file."""
+    if y.min() < 0:
+        first = int(np.argmax(y < 0))
+        raise ValueError(f"{path}: {place(first)} is {y[first]}; labels are class numbers 0..K-1, none below 0: "
+                         "renumber them the same way at every site, e.g. y = np.unique(y, return_inverse=True)[1]")
     if (y == y[0]).all():  # a classifier of one class learns nothing and scores 1.0: a wrong label column, likely
         raise ValueError(f"{path}: every label is {y[0]}; a classifier needs examples of two classes or more (is "
                          "'label' the right column?)")
@@ -301,6 +352,11 @@ def _check_labels(path, y: np.ndarray) -> None:
         raise ValueError(f"{path}: labels are class numbers 0..K-1, but only {used} of the {numbers} numbers "
                          f"0..{numbers - 1} occur (a model of {numbers} outputs, most never trained); renumber them "
                          f"0..{used - 1} the same way at every site, e.g. y = np.unique(y, return_inverse=True)[1]")
+
+
+def _npz_label_place(example: int) -> str:
+    """Where the label of an .npz's example ``example`` is."""
+    return f"y of example {example} (counting from 0)"
 
 
 def _npz_place(example: int, feature: int) -> str:

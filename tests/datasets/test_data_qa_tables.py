@@ -1,0 +1,125 @@
+"""A user's own CSV or npz table as people write them: by hand (spaces after the commas), exported with a trailing
+comma, a header with no rows, float labels in an npz, a file of a million cells. Each loads as the user meant or is
+refused in one line saying what to fix in the file."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from fedpar.datasets import load_dataset
+from fedpar.datasets.clientdata import partition_indices
+
+from support.in_process import run_main
+
+
+def _rows(n: int = 30, width: int = 2, end: str = "") -> str:
+    """``n`` data rows of ``width`` features and a label of two classes, each ending with ``end``."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, width)).round(4)
+    return "".join(",".join(map(str, r)) + f",{int(r[0] > 0)}{end}\n" for r in x.tolist())
+
+
+def _refused(dataset: str, says: str) -> str:
+    """The error ``load_dataset(dataset)`` raised; it holds ``says``."""
+    with pytest.raises(ValueError) as refused:
+        load_dataset(dataset)
+    assert says in str(refused.value), str(refused.value)
+    return str(refused.value)
+
+
+def test_a_header_written_with_a_space_after_each_comma_loads(tmp_path):
+    """'a, b, label' (as people type a CSV) was refused as having no 'label' column, naming the one it has."""
+    (tmp_path / "t.csv").write_text("a, b, label\n" + _rows().replace(",", ", "))
+    splits = load_dataset(f"csv:{tmp_path / 't.csv'}")
+    assert len(splits.train) + len(splits.test) == 30 and splits.input_shape == (2,) and splits.num_classes == 2
+
+
+def test_a_label_column_named_in_other_letters_is_named_in_the_refusal(tmp_path):
+    (tmp_path / "t.csv").write_text("a,b,Label\n" + _rows())
+    _refused(f"csv:{tmp_path / 't.csv'}", "its column 'Label' must be named 'label'")
+
+
+def test_a_trailing_comma_on_every_line_is_said_as_a_column_with_no_name(tmp_path):
+    """Said 'line 2, column '' is blank; fill in every feature, or drop the row', of a column the user never wrote."""
+    (tmp_path / "t.csv").write_text("a,b,label,\n" + _rows(end=","))
+    said = _refused(f"csv:{tmp_path / 't.csv'}", "t.csv: its header's column 4 has no name")
+    assert "trailing comma" in said, said
+
+
+def test_a_csv_of_a_header_only_says_it_has_no_rows(tmp_path):
+    """Said 'x, y (and client) must hold the same, non-zero number of examples', arrays a CSV's writer never saw."""
+    (tmp_path / "t.csv").write_text("a,b,label\n\n")
+    said = _refused(f"csv:{tmp_path / 't.csv'}", "t.csv has no examples: only its header row")
+    assert "x, y" not in said, said
+
+
+def test_npz_arrays_of_different_lengths_are_counted(tmp_path):
+    np.savez(tmp_path / "t.npz", x=np.zeros((20, 3)), y=np.arange(10) % 2)
+    _refused(f"npz:{tmp_path / 't.npz'}", "x holds 20 examples and y 10")
+    np.savez(tmp_path / "c.npz", x=np.zeros((20, 3)), y=np.arange(20) % 2, client=np.arange(12))
+    _refused(f"npz:{tmp_path / 'c.npz'}", "client holds 12")
+
+
+def test_npz_labels_saved_as_whole_floats_are_their_classes(tmp_path):
+    """y as float (pandas' column, y.astype(float)) was refused as 'labels must be whole numbers >= 0' though every
+    one was; a CSV's '1.0' was already class 1."""
+    x = np.random.default_rng(0).standard_normal((30, 3))
+    np.savez(tmp_path / "t.npz", x=x, y=(np.arange(30) % 3).astype(np.float64))
+    splits = load_dataset(f"npz:{tmp_path / 't.npz'}")
+    assert splits.num_classes == 3 and splits.train.y.dtype == np.int64
+    assert sorted(np.concatenate([splits.train.y, splits.test.y]).tolist()) == sorted((np.arange(30) % 3).tolist())
+    np.savez(tmp_path / "half.npz", x=x, y=np.where(np.arange(30) == 7, 0.5, 1.0))
+    _refused(f"npz:{tmp_path / 'half.npz'}", "half.npz: y of example 7 (counting from 0) is 0.5, not a class number")
+    np.savez(tmp_path / "text.npz", x=x, y=np.array(["cat", "dog", "owl"] * 10))
+    _refused(f"npz:{tmp_path / 'text.npz'}", "y holds <U3, not class numbers")
+
+
+def test_a_negative_label_is_named_by_its_line_or_example(tmp_path):
+    (tmp_path / "t.csv").write_text("a,b,label\n" + _rows() + "0.5,0.5,-1\n")
+    _refused(f"csv:{tmp_path / 't.csv'}", "t.csv: line 32, the label is -1")
+    np.savez(tmp_path / "t.npz", x=np.zeros((20, 3)), y=np.arange(20) % 2 - (np.arange(20) == 4))
+    _refused(f"npz:{tmp_path / 't.npz'}", "t.npz: y of example 4 (counting from 0) is -1")
+
+
+def test_natural_of_a_table_without_a_client_column_says_to_add_one(tmp_path, capfd):
+    (tmp_path / "t.csv").write_text("a,b,label\n" + _rows())
+    done = run_main(["simulate", "--dataset", f"csv:{tmp_path / 't.csv'}", "--clients", "2", "--rounds", "1",
+                     "--partition", "natural", "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("fedpar simulate:")]
+    assert len(said) == 1 and "a 'client' column" in said[-1], done.stderr[-3000:]
+
+
+def test_natural_gives_each_client_of_the_file_its_rows_but_a_fifth(tmp_path):
+    """Each writer's client gets its own rows, a fifth of them (one at least) held out for the test set."""
+    writers = ["site-b"] * 10 + ["site-a"] * 7 + ["site-c"] * 1 + ["site-a"] * 3
+    rows = _rows(len(writers)).splitlines()
+    (tmp_path / "t.csv").write_text("a,b,label,client\n" + "".join(f"{r},{w}\n" for r, w in zip(rows, writers)))
+    splits = load_dataset(f"csv:{tmp_path / 't.csv'}")
+    parts = partition_indices(splits, "auto", 3, seed=0)
+    assert [len(p) for p in parts] == [10 - 2, 10 - 2, 1]  # site-a, site-b, site-c: sorted by id
+    assert len(splits.test) == 4
+
+
+def test_a_large_csv_loads_in_a_few_times_its_size(tmp_path):
+    """A 12 MB CSV took 200 MB to read (every cell a Python string, then a float), so that a 1 GB table, read by
+    the coordinator and each worker process of simulate, needed some 50 GB."""
+    n, width = 100_000, 10
+    x = np.random.default_rng(0).standard_normal((n, width)).round(6)
+    path = tmp_path / "big.csv"
+    with open(path, "w") as f:
+        f.write(",".join(f"f{i}" for i in range(width)) + ",label,client\n")
+        f.writelines(",".join(map(repr, r)) + f",{i % 3},c{i % 50}\n" for i, r in enumerate(x.tolist()))
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        splits = load_dataset(f"csv:{path}")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(splits.train) + len(splits.test) == n and splits.input_shape == (width,)
+    assert np.allclose(np.sort(np.concatenate([splits.train.x, splits.test.x]).sum(1)), np.sort(x.sum(1)), atol=1e-4)
+    assert peak < 4 * size, (peak, size)
