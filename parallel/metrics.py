@@ -118,9 +118,9 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def write_interrupted_summary(out_dir: Path, model: str, dataset: str, world_size: int, wall_seconds: float,
                               config: dict[str, Any], kept_step: int | None = None) -> dict[str, Any]:
-    """summary.json (and metrics.csv) of a run stopped by Ctrl-C, from what its metrics.jsonl holds: the steps
-    (those of the model kept, ``kept_step``, else the last logged), the last evaluation and train loss;
-    ``"interrupted": true``. Returns the summary."""
+    """summary.json (and metrics.csv, once a step was logged) of a run stopped by Ctrl-C, from what its metrics.jsonl
+    holds: the steps (those of the model kept, ``kept_step``, else the last logged), the last evaluation and train
+    loss; ``"interrupted": true``. Returns the summary."""
     records = read_records(out_dir / "metrics.jsonl")
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
@@ -130,7 +130,8 @@ def write_interrupted_summary(out_dir: Path, model: str, dataset: str, world_siz
                "final_train_loss": train[-1]["loss"] if train else None, "wall_seconds": wall_seconds,
                "config": config}
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(out_dir / "metrics.csv", records)
+    if records:  # else a table of no columns: one empty line, which CSV readers refuse
+        write_csv(out_dir / "metrics.csv", records)
     write_json_atomic(out_dir / "summary.json", summary)
     return summary
 
