@@ -107,6 +107,10 @@ def diagnose_handshake(address: str, files: TlsFiles, server_name: str | None = 
         verdict = _handshake(target, files, name, timeout)
     if verdict is None:
         return None
+    if verdict is _NOT_GRPC:  # gRPC's words: 'Cannot check peer: missing selected ALPN property'
+        server = who.server.removeprefix("the ")
+        return (f"{address} speaks TLS but not gRPC (a {server}'s --data-port?): it is not {who.port}; give "
+                f"{who.address_option} {who.right_port}")
     where = f"TLS handshake with {who.server} at {address} failed"
     if verdict is _REFUSED_OURS and files.cert is None:
         return (f"{where}: {who.server} requires a client certificate (mutual TLS) and {who.us} has none; "
@@ -248,10 +252,11 @@ def _read_at_least(conn: socket.socket, size: int) -> bytes:
 
 
 _REFUSED_OURS = object()  # the handshake completed on our side, then the coordinator hung up
+_NOT_GRPC = object()  # the handshake completed without HTTP/2, which every gRPC server picks (a data plane picks none)
 
 
 def _handshake(target: tuple[str, int], files: TlsFiles, name: str, timeout: float):
-    """None (fine, or unreachable), _REFUSED_OURS, or the ssl.SSLError the handshake ended with."""
+    """None (fine, or unreachable), _REFUSED_OURS, _NOT_GRPC, or the ssl.SSLError the handshake ended with."""
     context = client_ssl_context(files)
     context.set_alpn_protocols(["h2"])  # gRPC closes connections that do not offer HTTP/2
     handshake_done = False
@@ -259,6 +264,8 @@ def _handshake(target: tuple[str, int], files: TlsFiles, name: str, timeout: flo
         with socket.create_connection(target, timeout=timeout) as raw:
             with context.wrap_socket(raw, server_hostname=name) as tls:
                 handshake_done = True
+                if tls.selected_alpn_protocol() != "h2":
+                    return _NOT_GRPC
                 # Under TLS 1.3 the coordinator checks our certificate after our side is done: a coordinator that
                 # accepts it answers the HTTP/2 preface with its SETTINGS, one that refuses it hangs up.
                 tls.sendall(HTTP2_PREFACE)

@@ -1,6 +1,7 @@
-"""`fedpar run` pointed where no service's control API is: a web server (a service's --metrics-port) or another
-program's port (SSH, a database) is named as such, in one line that says which port to give, not as a TLS handshake
-that failed. Real sockets on 127.0.0.1 (port 0), the command's main run in this process."""
+"""`fedpar run` pointed where no service's control API is: a web server (a service's --metrics-port), another
+program's port (SSH, a database) or a TLS port that speaks no gRPC (a service's --data-port) is named as such, in one
+line that says which port to give, not as a TLS handshake that failed or in gRPC's words. Real sockets on 127.0.0.1
+(port 0), the command's main run in this process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import http.server
 import re
 import socket
+import ssl
 import threading
 
 import pytest
@@ -85,3 +87,48 @@ def test_run_at_another_programs_port_says_so_not_that_the_certificates_are_wron
     assert "Traceback" not in done.stderr and said == [
         f"fedpar run: {other_program} answers in neither TLS nor gRPC (another program's port?): it is not a "
         "service's control API; give --control the service's --control-port"], done.stderr
+
+
+@pytest.fixture()
+def tls_not_grpc(tmp_path):
+    """A loopback port that speaks TLS with the service's own certificate but not gRPC (no HTTP/2 in its handshake),
+    as a coordinator's --data-port does: its address and the certificates' folder."""
+    certs = tmp_path / "certs"
+    ensure_certs(certs, operators=["op"])
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs / "server.pem", certs / "server.key")
+    context.load_verify_locations(certs / "ca.pem")
+    context.verify_mode = ssl.CERT_OPTIONAL
+    server = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def answer():
+        server.settimeout(0.2)
+        while not done.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with contextlib.suppress(OSError), context.wrap_socket(conn, server_side=True) as tls:
+                tls.settimeout(2)
+                tls.recv(4096)
+                tls.sendall(b"\x00\x01")  # a frame of its own protocol, then it hangs up
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.getsockname()[1]}", certs
+    done.set()
+    thread.join(10)
+    server.close()
+
+
+def test_run_at_a_tls_port_that_is_not_grpc_says_so(tls_not_grpc, capfd):
+    # it said gRPC's 'failed to connect to all addresses; last error: UNKNOWN: ipv4:...: Cannot check peer: missing
+    # selected ALPN property. at ...; is 'fedpar serve --state' running there?'
+    address, certs = tls_not_grpc
+    done = run_main(["run", "ls", "--control", address, "--certs", str(certs), "--operator", "op"], capfd)
+    said = [line for line in done.stderr.splitlines() if not re.match(r"[IWE]\d{4} \d\d:\d\d:\d\d", line)]
+    assert done.returncode == 1 and done.stdout == "", done
+    assert "Traceback" not in done.stderr and said == [
+        f"fedpar run: {address} speaks TLS but not gRPC (a service's --data-port?): it is not a service's control "
+        "API; give --control the service's --control-port"], done.stderr
