@@ -111,15 +111,20 @@ class RunControl(pb_grpc.RunControlServicer):
         finally:
             self._long_calls.release()
 
-    def _guard(self, context, action: str, fn, run_id: int | None = None):
-        """``fn(who)`` for the operator behind the call; each refusal audited (with the run asked for) and said as a
-        gRPC error of one line."""
+    def _operator(self, context, action: str, run_id: int | None = None) -> str:
+        """The operator behind the call (:func:`operator_of`); a refusal is audited (with the run asked for) and
+        ends the call in one line."""
         try:
-            who = operator_of(context, self.revocations)
+            return operator_of(context, self.revocations)
         except _Refused as r:
             peer = (context.auth_context().get("x509_common_name") or [b"(no certificate)"])[0].decode()
             self.store.audit(peer, f"refused {action}", run_id, detail=r.message)
             context.abort(r.code, r.message)
+
+    def _guard(self, context, action: str, fn, run_id: int | None = None):
+        """``fn(who)`` for the operator behind the call; each refusal audited (with the run asked for) and said as a
+        gRPC error of one line."""
+        who = self._operator(context, action, run_id)
         try:
             return fn(who)
         except UnknownRun as exc:
@@ -187,6 +192,7 @@ class RunControl(pb_grpc.RunControlServicer):
                 yield pb.RunRound(status=run.status)
                 return
             time.sleep(FOLLOW_POLL_SECONDS)
+            self._operator(context, "logs", run.id)  # revoked meanwhile: the follow ends as their next call would
             run = self._read(context, self.store.get, run.id)
 
     def _read(self, context, fn, *args):
