@@ -33,7 +33,7 @@ from fedpar.parallel.config import PRECISIONS
 from fedpar.parallel.device import queue_waiter
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import (ClientData, Deadline, LocalConfig, StepClock, Task, TaskError, check_training_data,
-                         checked_client_data, checked_task, first_difference, raised)
+                         checked_client_data, checked_task, first_difference, is_task_failure, raised)
 from fedpar.tasks.data import batch_examples, default_batches, inputs_and_targets, on_device, to_device
 from fedpar.tasks.evaluation import (EvalResult, autocast, finite, named_metrics, task_eval_result,
                                      task_eval_results)
@@ -287,13 +287,13 @@ class TaskTrainer:
 
     @contextlib.contextmanager
     def _task_code(self, stage: str):
-        """Run the task's code of ``stage``: a SystemExit or KeyboardInterrupt it raises on a thread other than the
-        main one (where no Ctrl-C arrives: a seat's) is a TaskError, the member's failure, not the end of the seat's
-        thread (whose members' rounds would then wait out their deadlines)."""
+        """Run the task's code of ``stage``: a SystemExit or KeyboardInterrupt it raises itself (fedpar.task
+        is_task_failure: not a Ctrl-C) is a TaskError, the member's failure, not the end of a seat's thread (whose
+        members' rounds would then wait out their deadlines)."""
         try:
             yield
         except (SystemExit, KeyboardInterrupt) as exc:
-            if threading.current_thread() is threading.main_thread():
+            if not is_task_failure(exc):
                 raise
             raise TaskError(f"task {self.task.name!r}: its {stage} raised {raised(exc)}, which would end the whole "
                             "process: raise an exception instead") from exc

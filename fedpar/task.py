@@ -13,7 +13,9 @@ This module imports neither torch nor anything else heavy: the command line read
 from __future__ import annotations
 
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -27,8 +29,18 @@ if TYPE_CHECKING:
 
 
 # What the task's own code may raise that is its failure: any exception, and a sys.exit() in it (said in one line as
-# they are; a KeyboardInterrupt is the user's Ctrl-C where one can arrive, on the main thread)
+# they are; a KeyboardInterrupt may be the user's Ctrl-C: is_task_failure tells)
 TASK_CODE_ERRORS = (Exception, SystemExit)
+
+
+def is_task_failure(exc: BaseException) -> bool:
+    """Whether ``exc``, out of the task's own code, is its failure: one of TASK_CODE_ERRORS, or a KeyboardInterrupt
+    no Ctrl-C raised: off the main thread (where no signal arrives), or while SIGINT's handler is not Python's default
+    (the only one that raises a plain KeyboardInterrupt; fedpar's stop raises its own kind, StopRequested)."""
+    if isinstance(exc, TASK_CODE_ERRORS):
+        return True
+    return type(exc) is KeyboardInterrupt and (threading.current_thread() is not threading.main_thread()
+                                               or signal.getsignal(signal.SIGINT) is not signal.default_int_handler)
 
 
 class TaskError(ValueError):

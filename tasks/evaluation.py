@@ -19,7 +19,7 @@ from torch import nn
 
 from fedpar.models.weights import ModelWeights, set_weights
 from fedpar.protocol.codec import MAX_CLIENT_METRICS, MAX_METRIC_MAGNITUDE
-from fedpar.task import TASK_CODE_ERRORS, Task, TaskError, TaskFailed, check_dataset, raised
+from fedpar.task import Task, TaskError, TaskFailed, check_dataset, is_task_failure, raised
 from fedpar.tasks.data import (batch_examples, default_batches, in_memory, inputs_and_targets, on_device, subset,
                                to_device)
 
@@ -254,7 +254,9 @@ class TaskEvaluator:
             evaluate_task(self.task, self.model, data)
         except TaskError:
             raise
-        except TASK_CODE_ERRORS as exc:  # the task's own code
+        except BaseException as exc:  # the task's own code (a Ctrl-C, is_task_failure tells, stops the run)
+            if not is_task_failure(exc):
+                raise
             raise TaskError(self._failure(exc)) from exc
 
     def __call__(self, weights: Sequence[np.ndarray]) -> dict[str, float]:
@@ -268,7 +270,9 @@ class TaskEvaluator:
             metrics = evaluate_task(self.task, self.model, self.data)
         except TaskError as exc:
             raise TaskFailed(str(exc)) from exc
-        except TASK_CODE_ERRORS as exc:  # the task's own code: the run stops with one line
+        except BaseException as exc:  # the task's own code: the run stops with one line (a Ctrl-C: as it stops)
+            if not is_task_failure(exc):
+                raise
             raise TaskFailed(self._failure(exc)) from exc
         return {f"test_{k}": v for k, v in finite(metrics).items()}
 

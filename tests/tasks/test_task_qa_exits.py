@@ -67,6 +67,18 @@ def evaluation_exits():
     return _task(evaluate=_evaluate)
 
 
+def _interrupting(model, dataset):
+    if len(dataset) == len(TEST):
+        CENTRAL.append(1)
+        if len(CENTRAL) > 2:
+            raise KeyboardInterrupt  # a library's way out of a long loop, say
+    return {"score": 1.0}
+
+
+def evaluation_interrupts():
+    return _task(evaluate=_interrupting)
+
+
 def _train(model, data, config, deadline):
     sys.exit("no GPU, giving up")
 
@@ -103,6 +115,8 @@ def _simulate(ref: str, tasks: Path, capfd, *more: str):
                       "client-0001: fix the task ({ref})"),
     ("evaluation_exits", 1, "fedpar simulate: the task's evaluation raised SystemExit: evaluation gave up: fix the "
                             "task ({ref})"),
+    # no Ctrl-C reaches simulate's coordinator (its launcher takes the SIGINT): a KeyboardInterrupt there is the task's
+    ("evaluation_interrupts", 1, "fedpar simulate: the task's evaluation raised KeyboardInterrupt: fix the task ({ref})"),
 ])
 def test_a_sys_exit_in_the_task_s_code_is_its_failure_in_one_line(factory, code, line, tasks, capfd):
     # before: 'no such dataset' alone, exit 1; the worker 'died with exit code 1' after its own line; and the
