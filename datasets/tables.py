@@ -26,12 +26,17 @@ import numpy as np
 
 from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
 from fedpar.datasets.catalog import register_dataset
+from fedpar.datasets.memory import check_fits
 
 TEST_SHARE = 5  # one example in TEST_SHARE of each client's goes to the test set
 MAX_CLASSES = 1 << 16  # labels are class numbers: one past this is an id (the model's output would not fit memory)
 SPARSE_FROM = 1 << 10  # past this many class numbers, most of them unused means the labels are ids, not classes
 # A feature past this has a square beyond float32's range (about 3.4e38): losses, norms and the first steps overflow.
 LARGEST_FEATURE = float(np.sqrt(np.finfo(np.float32).max))
+# What one number of a table costs a process while it loads: read as float64 (8), checked (|x| 8, 1), kept as float32
+# and split into train and test (4 + 4); an npz's array as saved comes on top.
+NUMBER_BYTES = 25
+CSV_SAMPLE = 1 << 20  # the first bytes of a CSV that say how many numbers a byte of it holds
 
 
 def owned_splits(x: np.ndarray, y: np.ndarray, owners: np.ndarray | None, num_classes: int | None = None,
@@ -108,6 +113,7 @@ def load_npz_table(path: str | Path) -> DatasetSplits:
     if not zipfile.is_zipfile(path):  # else np.load takes it for a pickle and says to load it unsafely
         raise ValueError(f"{path} is not a NumPy .npz archive (np.savez); it needs the arrays x, y and optionally "
                          "client")
+    check_table_fits(path, "npz")  # else numpy's MemoryError, a traceback
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = {"x", "y"} - set(f.files)
@@ -202,6 +208,7 @@ def _npz_array(f, path: Path, key: str) -> np.ndarray:
 def load_csv_table(path: str | Path) -> DatasetSplits:
     """A federation from a CSV with a label column, optionally a client column, and numeric features."""
     path = _table_file(path, CSV_FILE)
+    check_table_fits(path, "csv")
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's UTF-8 CSV starts with a BOM
             reader = csv.reader(f)
@@ -382,13 +389,63 @@ def _float32_features(path, x: np.ndarray, place: Callable[[int, int], str]) -> 
     return np.asarray(x, np.float32)
 
 
-@register_dataset("npz", usage="npz:PATH", help="a table of features and labels")
+def check_table_fits(path: str | Path, kind: str, processes: int = 1) -> None:
+    """ValueError, one line saying how much memory ``processes`` processes each reading table ``path`` (``kind``
+    'csv' or 'npz') need, when this machine has less available; nothing when the file does not say (the loader
+    names what is wrong with it)."""
+    numbers, needed = (_csv_numbers if kind == "csv" else _npz_numbers)(Path(path))
+    if numbers:
+        where = f" in {processes} processes, each reading it whole" if processes > 1 else ""
+        check_fits(processes * needed, f"{path} (about {numbers:,} numbers{where})",
+                   "give a smaller table (fewer examples or features)"
+                   + (", or fewer --workers" if processes > 1 else ""))
+
+
+def _csv_numbers(path: Path) -> tuple[int, int]:
+    """About how many numbers the CSV ``path`` holds (its first lines' cells per byte times its size; 0 when it
+    does not say) and the bytes a process needs to load them."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            sample = f.read(CSV_SAMPLE)
+    except OSError:
+        return 0, 0
+    lines = sample.split(b"\n")[1:-1]  # the header's and a last line cut short left out
+    if size <= len(sample) or not lines:
+        return 0, 0
+    cells = sum(line.count(b",") + 1 for line in lines)
+    numbers = int(cells * size / sum(len(line) + 1 for line in lines))
+    return numbers, numbers * NUMBER_BYTES
+
+
+def _npz_numbers(path: Path) -> tuple[int, int]:
+    """How many numbers the array x of the .npz ``path`` holds, as its header says (0 when it does not), and the
+    bytes a process needs to load them."""
+    try:
+        with zipfile.ZipFile(path) as archive, archive.open("x.npy") as f:
+            version = np.lib.format.read_magic(f)
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            shape, _, dtype = read[version](f)
+    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile, zlib.error):
+        return 0, 0
+    numbers = int(np.prod(shape, dtype=object))
+    return numbers, numbers * (dtype.itemsize + NUMBER_BYTES)
+
+
+def table_fits(name: str, processes: int, partition: str) -> None:
+    """``--dataset csv:PATH`` or ``npz:PATH`` read by ``processes`` processes: :func:`check_table_fits`."""
+    kind, _, path = name.partition(":")
+    if path.strip():
+        check_table_fits(path, kind.lower(), processes)
+
+
+@register_dataset("npz", usage="npz:PATH", help="a table of features and labels", fits=table_fits)
 def npz_dataset(name: str) -> DatasetSplits:
     """``--dataset npz:PATH``."""
     return load_npz_table(_dataset_file(name, "npz", NPZ_FILE))
 
 
-@register_dataset("csv", usage="csv:PATH", help="a table of features and labels")
+@register_dataset("csv", usage="csv:PATH", help="a table of features and labels", fits=table_fits)
 def csv_dataset(name: str) -> DatasetSplits:
     """``--dataset csv:PATH``."""
     return load_csv_table(_dataset_file(name, "csv", CSV_FILE))

@@ -123,3 +123,53 @@ def test_a_large_csv_loads_in_a_few_times_its_size(tmp_path):
     assert len(splits.train) + len(splits.test) == n and splits.input_shape == (width,)
     assert np.allclose(np.sort(np.concatenate([splits.train.x, splits.test.x]).sum(1)), np.sort(x.sum(1)), atol=1e-4)
     assert peak < 4 * size, (peak, size)
+
+
+def _said_once(done, code: int) -> str:
+    """The one 'fedpar simulate:' line of a run that ended with exit ``code``, with no traceback."""
+    assert done.returncode == code and "Traceback" not in done.stderr, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("fedpar simulate:")]
+    assert len(said) == 1, done.stderr[-3000:]
+    return said[0]
+
+
+def test_a_csv_too_large_for_this_machine_s_memory_is_said_before_it_is_read(tmp_path):
+    """Read whole by simulate's coordinator and by each of its worker processes, a table larger than memory could
+    only end in the kernel's out-of-memory kill; synthetic data was measured up front, a table was not."""
+    from fedpar.datasets.registry import check_dataset_fits
+
+    path = tmp_path / "huge.csv"
+    path.write_text("a,b,c,label\n" + _rows(2000, 3))
+    with open(path, "r+b") as f:
+        f.truncate(1 << 40)  # a sparse terabyte: its first lines say how many cells it holds
+    with pytest.raises(ValueError) as refused:
+        check_dataset_fits(f"csv:{path}", 3, "iid")
+    said = str(refused.value)
+    assert f"{path} (about " in said and "GiB of memory and this machine has" in said, said
+    assert "a smaller table" in said, said
+
+
+def test_simulate_says_an_npz_too_large_for_this_machine_s_memory_before_reading_it(tmp_path, capfd):
+    import io
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_2_0(header, {"descr": "<f8", "fortran_order": False, "shape": (10**9, 1000)})
+    with zipfile.ZipFile(tmp_path / "huge.npz", "w") as z:  # x's header only: its size is what the check reads
+        z.writestr("x.npy", header.getvalue())
+        y = io.BytesIO()
+        np.save(y, np.arange(10) % 2)
+        z.writestr("y.npy", y.getvalue())
+    said = _said_once(run_main(["simulate", "--dataset", f"npz:{tmp_path / 'huge.npz'}", "--clients", "2",
+                                "--rounds", "1", "--partition", "iid", "--device", "cpu",
+                                "--out", str(tmp_path / "out")], capfd), 2)
+    assert "(about 1,000,000,000,000 numbers" in said and "GiB of memory and this machine has" in said, said
+
+
+def test_a_table_that_fits_is_not_refused_by_the_memory_check(tmp_path):
+    from fedpar.datasets.registry import check_dataset_fits
+
+    (tmp_path / "t.csv").write_text("a,b,c,label\n" + _rows(2000, 3))
+    np.savez(tmp_path / "t.npz", x=np.zeros((2000, 3)), y=np.arange(2000) % 2)
+    for name in (f"csv:{tmp_path / 't.csv'}", f"npz:{tmp_path / 't.npz'}", f"csv:{tmp_path / 'none.csv'}"):
+        check_dataset_fits(name, 3, "iid")  # nothing said: a missing file is the loader's to name
