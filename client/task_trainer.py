@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import logging
 import math
+import numbers
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -65,9 +66,10 @@ def train_task(task: Task, model: nn.Module, data: ClientData, config: LocalConf
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TaskError(f"task {task.name!r}: train must return (examples, metrics), got {type(result).__name__}")
     examples, metrics = result
-    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
-        raise TaskError(f"task {task.name!r}: train must return a whole number of examples >= 0 first, got "
-                        f"{examples!r}")
+    if isinstance(examples, bool) or not isinstance(examples, numbers.Integral) or examples < 0:  # numpy's too
+        raise TaskError(f"task {task.name!r}: train must return a whole number of examples >= 0 first (an int: "
+                        f".item() of a tensor), got {examples!r}")
+    examples = int(examples)
     if examples == 0 and not deadline.stopped_early and deadline.remaining() > 0:  # not a member out of time
         raise TaskError(f"task {task.name!r}: train returned 0 examples, though its deadline did not stop it: return "
                         "how many examples it trained on, each once per pass (they weigh its update)")

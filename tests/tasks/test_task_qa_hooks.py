@@ -131,3 +131,24 @@ def test_centralized_training_does_not_write_a_model_its_task_cannot_load(factor
     assert "Traceback" not in run.stderr, run.stderr
     assert run.stderr.strip().splitlines()[-1].startswith(f"fedpar train: task {ref!r}: {CHANGED[factory]}")
     assert not (out / "global.safetensors").exists()
+
+
+def test_a_numpy_count_of_examples_is_a_whole_number_and_a_tensor_is_told_to_be_one(tasks):
+    # before: "train must return a whole number of examples >= 0 first, got np.int64(10)", refusing every round of a
+    # hook that counted with numpy; a tensor's count said nothing of .item()
+    import numpy as np
+    import torch
+
+    from fedpar import Partition, TaskError
+    from fedpar.client.task_trainer import TaskTrainer
+    from fedpar.tasks.reference import load_task
+
+    task = load_task(f"{tasks}:new_head")
+    task.train = lambda model, data, config, deadline: (np.int64(10), {"loss": np.float32(0.5)})
+    trainer = TaskTrainer(task, task.data_for(Partition(0, 2)))
+    result = trainer.train(1, 8, 0.1)
+    assert result.examples == 10 and type(result.examples) is int
+    task.train = lambda model, data, config, deadline: (torch.tensor(10), {})
+    with pytest.raises(TaskError, match=r"train must return a whole number of examples >= 0 first \(an int: "
+                                        r"\.item\(\) of a tensor\), got tensor\(10\)"):
+        trainer.train(1, 8, 0.1)
