@@ -114,7 +114,7 @@ def mint_token(path: str | Path, agent_id: str) -> str:
     if not has_token(path, agent_id):
         _append_line(path, line)
         return token
-    kept = [raw for raw in path.read_text().splitlines() if _token_id(raw) != agent_id]
+    kept = [raw for raw in path.read_text(encoding="utf-8-sig").splitlines() if _token_id(raw) != agent_id]
     # whole or not at all: a coordinator reading the file meanwhile sees the old token or the new one, never neither
     atomic_write_bytes(path, ["".join(f"{raw}\n" for raw in [*kept, line]).encode()], mode=0o600)
     return token
@@ -123,7 +123,8 @@ def mint_token(path: str | Path, agent_id: str) -> str:
 def has_token(path: str | Path, agent_id: str) -> bool:
     """Whether the tokens file ``path`` (missing: none) holds a token hash of ``agent_id``."""
     path = Path(path)
-    return path.is_file() and any(_token_id(raw) == agent_id for raw in path.read_text().splitlines())
+    lines = path.read_text(encoding="utf-8-sig").splitlines() if path.is_file() else []  # -sig: as it is read
+    return any(_token_id(raw) == agent_id for raw in lines)
 
 
 def _token_id(raw: str) -> str | None:

@@ -65,3 +65,15 @@ def test_a_revocation_list_saved_with_a_byte_order_mark_revokes_its_first_agent(
     revoked.write_text("alice\nbob\n", encoding="utf-8-sig")
     watcher = RevocationList(revoked)
     assert watcher.is_revoked("alice") and watcher.is_revoked("bob")
+
+
+def test_a_new_token_replaces_the_earlier_one_in_a_tokens_file_saved_with_a_byte_order_mark(tmp_path, capfd):
+    # the earlier line ('\ufeffalice HASH') was not found as alice's: a second line was appended beside it, and
+    # 'replaced the earlier enrollment token' was not said
+    certs = tmp_path / "certs"
+    assert run_main(["certs", "--out", str(certs), "--mint-token", "alice,bob"], capfd).returncode == 0
+    tokens = certs / "tokens.txt"
+    tokens.write_text(tokens.read_text(), encoding="utf-8-sig")
+    done = run_main(["certs", "--out", str(certs), "--mint-token", "alice"], capfd)
+    assert done.returncode == 0 and "replaced the earlier enrollment token of agent alice" in done.stdout, done
+    assert sorted(line.split()[0] for line in tokens.read_text(encoding="utf-8-sig").splitlines()) == ["alice", "bob"]
