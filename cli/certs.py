@@ -86,7 +86,7 @@ def known_agents(paths: CertPaths) -> set[str]:
     """Agent ids with a certificate (ID.pem, its key here or already given to the agent) or an enrollment token in
     ``paths``."""
     certs = {p.stem for p in paths.root.glob("*.pem") if p.stem not in RESERVED_NAMES and _names_itself(p)}
-    tokens = set(parse_token_hashes(paths.tokens.read_text(), str(paths.tokens))) if paths.tokens.exists() else set()
+    tokens = set(read_edited_file(paths.tokens, parse_token_hashes)) if paths.tokens.exists() else set()
     return certs | tokens
 
 
@@ -147,7 +147,7 @@ def serial_to_revoke(paths: CertPaths, pem: Path) -> int:
 
 def warn_revoked_names(paths: CertPaths, names: list[str]) -> None:
     """Say which of ``names`` are revoked by name: a certificate issued to them now is refused all the same."""
-    revoked = parse_revocations(paths.revoked.read_text(), str(paths.revoked))[0] if paths.revoked.exists() else set()
+    revoked = read_edited_file(paths.revoked, parse_revocations)[0] if paths.revoked.exists() else set()
     for name in sorted(revoked.intersection(names)):
         print(f"fedpar certs: {name} is revoked by name in {paths.revoked}, so coordinators refuse its certificate "
               f"(a new one too) until its line is removed there", file=sys.stderr)

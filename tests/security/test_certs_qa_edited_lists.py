@@ -77,3 +77,14 @@ def test_a_new_token_replaces_the_earlier_one_in_a_tokens_file_saved_with_a_byte
     done = run_main(["certs", "--out", str(certs), "--mint-token", "alice"], capfd)
     assert done.returncode == 0 and "replaced the earlier enrollment token of agent alice" in done.stdout, done
     assert sorted(line.split()[0] for line in tokens.read_text(encoding="utf-8-sig").splitlines()) == ["alice", "bob"]
+
+
+def test_the_agent_of_the_first_token_in_a_tokens_file_with_a_byte_order_mark_can_be_revoked(tmp_path, capfd):
+    # it was refused: 'no certificate or enrollment token for agent 'alice'' (the line read as '\ufeffalice')
+    certs = tmp_path / "certs"
+    assert run_main(["certs", "--out", str(certs), "--mint-token", "alice"], capfd).returncode == 0
+    tokens = certs / "tokens.txt"
+    tokens.write_text(tokens.read_text(), encoding="utf-8-sig")
+    done = run_main(["certs", "--out", str(certs), "--revoke", "alice"], capfd)
+    assert done.returncode == 0 and done.stdout == f"revoked agent alice in {certs / 'revoked.txt'}\n", done
+    assert RevocationList(certs / "revoked.txt").is_revoked("alice")
