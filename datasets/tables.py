@@ -232,10 +232,10 @@ def _csv_header(path: Path, header: list[str] | None) -> list[str]:
     if separator:  # else "needs a 'label' column" of a header that has one, unsplit
         raise ValueError(f"{path} looks separated by {separator}, not commas (its header row is one column); "
                          "fedpar reads comma-separated files: save it with commas between the cells")
+    other = next((name for name in header if name.lower() in ("label", "client") and name.lower() != name), None)
+    if other is not None:  # else 'Label' is no label column, and 'Client' silently a feature
+        raise ValueError(f"{path}: its column {other!r} must be named {other.lower()!r}, in lower case")
     if "label" not in header:
-        other = next((name for name in header if name.lower() == "label"), None)
-        if other is not None:
-            raise ValueError(f"{path}: its column {other!r} must be named 'label', in lower case")
         raise ValueError(f"{path} needs a header row with a 'label' column (and optionally 'client')")
     twice = [name for name in ("label", "client") if header.count(name) > 1]
     if twice:  # else the first is read and the others taken for features

@@ -37,9 +37,13 @@ def test_a_header_written_with_a_space_after_each_comma_loads(tmp_path):
     assert len(splits.train) + len(splits.test) == 30 and splits.input_shape == (2,) and splits.num_classes == 2
 
 
-def test_a_label_column_named_in_other_letters_is_named_in_the_refusal(tmp_path):
+def test_a_label_or_client_column_named_in_capitals_is_named_in_the_refusal(tmp_path):
+    """'Label' was told only that a 'label' column is needed; 'Client' (numbered ids) was silently a feature, its
+    table split iid."""
     (tmp_path / "t.csv").write_text("a,b,Label\n" + _rows())
-    _refused(f"csv:{tmp_path / 't.csv'}", "its column 'Label' must be named 'label'")
+    _refused(f"csv:{tmp_path / 't.csv'}", "its column 'Label' must be named 'label', in lower case")
+    (tmp_path / "c.csv").write_text("a,b,label,Client\n" + _rows(end=",1"))
+    _refused(f"csv:{tmp_path / 'c.csv'}", "its column 'Client' must be named 'client', in lower case")
 
 
 def test_a_trailing_comma_on_every_line_is_said_as_a_column_with_no_name(tmp_path):
