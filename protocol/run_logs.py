@@ -61,6 +61,22 @@ def _parse(line: bytes) -> dict | None:
     return row if isinstance(row, dict) and isinstance(row.get("round"), int) else None
 
 
+def another_runs_rows(path: Path, last_round: int, last_row: dict | None) -> str:
+    """Why the metrics.jsonl ``path`` holds another run's rows than the run checkpointed after ``last_round`` with its
+    row ``last_row`` (its row of that round, read from the end, is not that one: another run wrote into the folder
+    since), or "" (also when it cannot tell: no row kept, no file, or a file without that round's row, as a crash
+    before the row's line leaves it)."""
+    if last_row is None or not Path(path).is_file():
+        return ""
+    for _, line in lines_backward(Path(path)):
+        row = _parse(line)
+        if row is not None and row["round"] <= last_round:
+            if row["round"] == last_round and row != json.loads(json.dumps(clean_row(last_row))):
+                return f"its round {last_round} is not the one the checkpoint was made after"
+            return ""
+    return ""
+
+
 class RoundMetricsLog:
     """The coordinator's metrics.jsonl: one JSON object per completed round, appended; its rows are also appended to
     metrics.csv, whose columns are ``declared`` up front (server/coordinator.py: what the configuration's rows hold)
@@ -117,9 +133,9 @@ class RoundMetricsLog:
         checkpointed round's row is appended if the crash came before its line. ``earlier``: the metrics.jsonl the
         run wrote before (:attr:`path` as the checkpoint recorded it); resumed into another folder whose file holds
         no rows yet, this one starts with that file's rows up to ``last_round``. False when it should have and the
-        file is gone (this one's rows then start at the checkpointed round).
+        file is gone or holds another run's rows now (this one's rows then start at the checkpointed round).
         """
-        found = self._take_earlier_rows(Path(earlier), last_round) if self.path and earlier else True
+        found = self._take_earlier_rows(Path(earlier), last_round, last_row) if self.path and earlier else True
         kept = self._settle_jsonl(last_round) if self.path else None
         if last_row is not None and (kept is None or kept["round"] < last_round):
             kept = clean_row(last_row)
@@ -139,12 +155,13 @@ class RoundMetricsLog:
             self._csv.settle(last_round, self._rows_after)
         return found
 
-    def _take_earlier_rows(self, earlier: Path, last_round: int) -> bool:
+    def _take_earlier_rows(self, earlier: Path, last_round: int, last_row: dict | None) -> bool:
         """Copy ``earlier``'s rows up to ``last_round`` into this log when it is another file and this one holds
-        none (streaming); False when they were to be taken and ``earlier`` is gone."""
+        none (streaming); False when they were to be taken and ``earlier`` is gone, or holds another run's rows now
+        (:func:`another_runs_rows`: a run into that folder since)."""
         if earlier.resolve() == self.path.resolve() or (self.path.exists() and self.path.stat().st_size):
             return True
-        if not earlier.is_file():
+        if not earlier.is_file() or another_runs_rows(earlier, last_round, last_row):
             return False
         with self.path.open("w") as fh:
             for row in read_rows(earlier):

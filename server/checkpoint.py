@@ -294,6 +294,15 @@ def strategy_refusal(root: Path, saved_by: str, name: str) -> str:
             "--privacy) it was made with, or point --checkpoint-dir elsewhere")
 
 
+def other_runs_refusal(metrics: Path, why: str, root) -> str:
+    """The line refusing to resume the checkpoint under ``root`` into the folder of the metrics.jsonl ``metrics``,
+    which holds another run's rows (``why``: run_logs.another_runs_rows): appended to, they would pass for one run."""
+    out = Path(metrics).parent
+    return (f"--out {out} holds another run's rows ({Path(metrics).name}: {why} in --checkpoint-dir {root}); resume "
+            f"into another --out, or move {out}'s files away (the resumed run's rows then start at the checkpoint's "
+            "round)")
+
+
 def _load_state(path: Path, root: Path, round_id: int) -> dict:
     try:
         if path.stat().st_size > MAX_STATE_BYTES:

@@ -26,12 +26,12 @@ from fedpar.aggregation.strategy import accumulate_in
 from fedpar.protocol.heap import round_counters, trim_heap
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.run_logs import RoundMetricsLog, clean_row
+from fedpar.protocol.run_logs import RoundMetricsLog, another_runs_rows, clean_row
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.wording import counted
 from fedpar.security.admission import Admission
-from fedpar.server.checkpoint import (Checkpoint, CheckpointError, load_checkpoint, save_checkpoint,
-                                     strategy_refusal)
+from fedpar.server.checkpoint import (Checkpoint, CheckpointError, load_checkpoint, other_runs_refusal,
+                                     save_checkpoint, strategy_refusal)
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import (DEADLINE, cohort_size, round_target, seconds_left, target_reports,
                                     until_closed, wall_seconds)
@@ -242,12 +242,17 @@ class Coordinator(IngestPlane):
         caps = "example_caps" if "example_caps" in ckpt.state else "agents"  # older checkpoints: a list of agents
         with ckpt.restoring(caps):
             self._example_caps = checked_caps(ckpt.state.get(caps, {}))
+        if self.metrics.path is not None:
+            other = another_runs_rows(self.metrics.path, self.round_id, ckpt.state.get("metrics_row"))
+            if other:
+                raise CheckpointError(other_runs_refusal(self.metrics.path, other, self.config.checkpoint_dir))
         with ckpt.restoring("metrics_summary"):
             earlier = ckpt.state.get("metrics_path")
             if not self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"), ckpt.state.get("metrics_summary"),
                                        earlier):
-                log.warning("the rows of the rounds before round %d were written to %s, which is gone: %s starts at "
-                            "round %d", self.round_id, earlier, self.metrics.path, self.round_id)
+                log.warning("the rows of the rounds before round %d were written to %s, which is gone or holds "
+                            "another run's rows now: %s starts at round %d", self.round_id, earlier, self.metrics.path,
+                            self.round_id)
         earlier = (self.metrics.last or {}).get("wall_seconds")
         if isinstance(earlier, (int, float)) and 0 <= earlier < math.inf:  # rows go on counting the whole run's time
             self.earlier_seconds = float(earlier)
