@@ -24,7 +24,8 @@ from fedpar.parallel.device import flush_denormals
 from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal
 from fedpar.sections import Seeded
 from fedpar.simulations.config import Population
-from fedpar.task import FlowerAppReference, Partition, Task, TaskError, TaskReference
+from fedpar.models.weights import weight_specs
+from fedpar.task import FlowerAppReference, Partition, Task, TaskError, TaskReference, first_difference
 from fedpar.tasks.flower_app import load_flower_app
 from fedpar.tasks.reference import load_task
 from fedpar.tasks.zoo import classifier_for
@@ -44,6 +45,7 @@ class WorkerConfig(Precision, Device, Population, FlowerAppReference, TaskRefere
     log_level: int = logging.WARNING  # of the worker's fedpar loggers: the parent's (simulate --log-level)
     certs_dir: str | None = None  # mutual TLS: DIR/ca.pem and DIR/HOST_ID.pem/.key (the host's); None: plaintext
     answers_messages: bool = False  # the Flower App's ServerApp drives: its members answer its Messages
+    model_layout: list | None = None  # a task's: the coordinator's model (weight_specs), which the worker's must be
 
     def partition_of(self, index: int, agent_id: str) -> Partition:
         """The Partition of client ``index`` (``agent_id``) of this federation."""
@@ -78,9 +80,22 @@ def run_worker(cfg: WorkerConfig, splits=None) -> AgentStats:
         return host_population(cfg.server, cfg.population, None, cfg.partition_of, cfg.seed, cfg.seats,
                                cfg.poll_seconds, give_up_after=60.0, tls=tls, members=members).run()
     task = worker_task(cfg, splits)
+    if cfg.model_layout is not None:
+        same_model_as_the_coordinator(task, cfg.model_layout)
     return host_population(cfg.server, cfg.population, task, cfg.partition_of, cfg.seed, cfg.seats,
                            cfg.poll_seconds, cfg.device, cfg.precision, cfg.trace_day_seconds, give_up_after=60.0,
                            tls=tls, client_batching=cfg.client_batching, task_name=task_label(cfg)).run()
+
+
+def same_model_as_the_coordinator(task: Task, layout: list) -> None:
+    """TaskError unless ``task``'s model() in this worker process makes the coordinator's weights, ``layout``
+    (weight_specs): a task that sizes its model by something of the process would fail its members every round."""
+    ours, theirs = weight_specs(task.built_model()), [(name, dtype, tuple(shape)) for name, dtype, shape in layout]
+    if ours != theirs:
+        where = first_difference(ours, theirs, "the coordinator's had")
+        raise TaskError(f"task {task.name!r}: model() made other weights in a worker process than in the "
+                        f"coordinator's ({where}): the task must build the same model in every process (no sizes from "
+                        "the process id, the clock or an unseeded draw)")
 
 
 def run_worker_process(conn: Connection, dataset: str, data_dir: str | None, say: Connection | None = None) -> None:

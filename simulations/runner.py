@@ -27,6 +27,7 @@ from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
 from fedpar.datasets.registry import full_dataset_name
 from fedpar.parallel.device import check_device_layout, device_kind, parse_device, resolve_device, visible_gpus
+from fedpar.models.weights import weight_specs
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.sslcontext import server_ssl_context
@@ -278,6 +279,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         devices[0], k / len(pipes), assembly.model, k >= cfg.clients)
     slices = _population_slices(cfg, None if members is None else members.sizes, len(pipes))
     model_bytes = sum(w.nbytes for w in assembly.weights)  # an update's size (a Flower App has no torch model here)
+    layout = weight_specs(assembly.model) if task is not None else None  # each worker's task must make it too
     seats = [seats_of(cfg, slices, model_bytes, replies=flower_app is not None)] * len(slices)
     if batching:  # a worker's members of a round train as one stack: a seat each
         seats = [batched_seats(seats[0], len(s), k, model_bytes) for s in slices]
@@ -313,7 +315,8 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     def worker_configs(address: str) -> list[WorkerConfig]:
         return [composed(WorkerConfig, cfg, server=address, population=slices[w], device=devices[w], seats=seats[w],
                          client_batching=batching, certs_dir=certs.name if certs else None,
-                         log_level=logging.getLogger("fedpar").getEffectiveLevel()) for w in range(len(pipes))]
+                         log_level=logging.getLogger("fedpar").getEffectiveLevel(), model_layout=layout)
+                for w in range(len(pipes))]
 
     own_store = store is None
     store = RunStore(":memory:") if own_store else store
