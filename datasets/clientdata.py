@@ -11,8 +11,11 @@ from fedpar.wording import counted
 
 def resolve_partition(spec: str, splits: DatasetSplits) -> str:
     """``spec``, with "auto" made "natural" for data whose examples have owners (synthetic, tables with a client
-    column) and "iid" for the rest."""
-    if spec.strip().lower() != AUTO:
+    column) and "iid" for the rest; "natural" in any letters (as parse_partition takes the others) is "natural"."""
+    key = spec.strip().lower()
+    if key == "natural":
+        return key
+    if key != AUTO:
         return spec
     return "natural" if splits.members is not None or splits.train_owners is not None else "iid"
 

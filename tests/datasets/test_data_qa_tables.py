@@ -200,3 +200,15 @@ def test_the_label_skew_of_many_classes_is_measured_without_a_table_of_every_cla
     sizes = np.maximum(counts.sum(1), 1)
     assert label_skew(few, small, 5) == {"mean_classes_per_client": pytest.approx((counts > 0).sum(1).mean()),
                                          "mean_top_class_share": pytest.approx((counts.max(1) / sizes).mean())}
+
+
+def test_natural_is_taken_in_any_letters_as_the_other_partitions_are(tmp_path):
+    """'--partition IID' and 'Dirichlet:0.5' were taken, 'Natural' refused by a line listing 'natural'."""
+    from fedpar.datasets.members import member_source
+
+    (tmp_path / "t.csv").write_text("a,b,label,client\n" + "".join(
+        f"{r},c{i % 3}\n" for i, r in enumerate(_rows(30).splitlines())))
+    splits = load_dataset(f"csv:{tmp_path / 't.csv'}")
+    natural = [p.tolist() for p in partition_indices(splits, "natural", 3, seed=0)]
+    assert [p.tolist() for p in partition_indices(splits, " Natural", 3, seed=0)] == natural
+    assert member_source(splits, "NATURAL", 3, seed=0).sizes.tolist() == [len(p) for p in natural]
