@@ -1,10 +1,11 @@
 """Your own tabular data with writers: ``--dataset npz:PATH`` or ``--dataset csv:PATH``, for ``--partition natural``.
 
 - npz: arrays ``x`` (real numbers, one example per row: 2-D or more), ``y`` (labels: class numbers 0..K-1, two
-  classes or more, as integers or whole floats) and, optionally, ``client`` (1-D: who wrote each example, integers or strings).
-- csv: a comma-separated header row (its names trimmed); a ``label`` column (whole numbers, of two classes or more; ``1.0`` is class
-  1), an optional ``client`` column (no blank cell; its ids are text, as written: ``1``, ``01`` and ``1.0`` are
-  three clients), and every other column (one at least) a numeric feature; one cell per column on every row
+  classes or more, as integers or whole floats) and, optionally, ``client`` (1-D: who wrote each example, integers
+  or strings).
+- csv: a comma-separated header row (its names trimmed); a ``label`` column (whole numbers, of two classes or more;
+  ``1.0`` is class 1), an optional ``client`` column (no blank cell; its ids are text, as written: ``1``, ``01`` and
+  ``1.0`` are three clients), and every other column (one at least) a numeric feature; one cell per column on every row
   (blank lines are skipped).
 
 Clients are numbered in the sorted order of their ids. A fifth of each client's examples (one at least, for
