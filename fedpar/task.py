@@ -315,6 +315,10 @@ class Task:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 problems.append(f"{name} must be a function or None (got {type(value).__name__})")
+        if _is_module_class(self.loss):  # loss=nn.CrossEntropyLoss: called on a batch, it builds a module
+            name = self.loss.__name__
+            problems.append(f"loss is the class {name}, which makes a loss module: give one, loss=nn.{name}() (or a "
+                            "function such as nn.functional.cross_entropy)")
         if self.train is None and self.loss is None:
             problems.append("it needs a loss(outputs, targets) for the built-in loop, or its own train(model, data, "
                             "config, deadline) hook")
@@ -435,6 +439,12 @@ def first_difference(layout: list, first: list, first_is: str = "the first had")
         if (name, dtype, shape) != (name0, dtype0, shape0):
             return f"{name!r} {dtype} {shape}, where {first_is} {name0!r} {dtype0} {shape0}"
     return f"{len(layout)} weights, where {first_is} {len(first)}"
+
+
+def _is_module_class(value: Any) -> bool:
+    """Whether ``value`` is a torch module's class (torch is not imported for it, as for :func:`_is_module`)."""
+    nn = sys.modules.get("torch.nn")
+    return nn is not None and isinstance(value, type) and issubclass(value, nn.Module)
 
 
 def _is_module(value: Any) -> bool:

@@ -1,6 +1,6 @@
 """A task written as a subclass of fedpar.Task: hooks written as its methods are not what fedpar calls (a Task's hooks
 are its fields), so such a task is refused in one line saying how to give them, not trained without them; a reference
-naming the class itself, not a Task or a factory, is one line saying so."""
+naming the class itself, not a Task or a factory, is one line saying so; so is a loss given as a module's class."""
 
 from __future__ import annotations
 
@@ -78,3 +78,17 @@ def test_a_reference_to_a_task_class_says_to_name_a_factory_or_a_task(tasks, tmp
     assert run.stderr.strip().splitlines() == [
         f"fedpar simulate: --task {ref} is the class WithTrain, a kind of fedpar.Task, not a Task: name a function "
         "returning one (def task(): return WithTrain(model=..., client_data=..., ...)), or a Task made in the file"]
+
+
+def test_a_loss_given_as_a_module_class_is_told_to_be_an_instance(tmp_path, capfd):
+    # before: "the task's evaluation raised RuntimeError: Boolean value of Tensor with more than one value is
+    # ambiguous" (nn.CrossEntropyLoss(outputs, targets) builds a module, its weight the outputs)
+    (tmp_path / "classes.py").write_text(
+        "from torch import nn\nfrom fedpar import Task\n"
+        "def task():\n"
+        "    return Task(model=lambda: nn.Linear(4, 2), client_data=lambda p: None, loss=nn.CrossEntropyLoss)\n")
+    run = run_main(["simulate", "--task", "classes.py:task", "--clients", "2", "--out", "o"], capfd, tmp_path)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        "fedpar simulate: task 'classes.py:task': loss is the class CrossEntropyLoss, which makes a loss module: give "
+        "one, loss=nn.CrossEntropyLoss() (or a function such as nn.functional.cross_entropy)")
