@@ -394,6 +394,8 @@ def check_table_fits(path: str | Path, kind: str, processes: int = 1) -> None:
     """ValueError, one line saying how much memory ``processes`` processes each reading table ``path`` (``kind``
     'csv' or 'npz') need, when this machine has less available; nothing when the file does not say (the loader
     names what is wrong with it)."""
+    if not Path(path).is_file():  # else a named pipe is opened here, and waited on
+        return
     numbers, needed = (_csv_numbers if kind == "csv" else _npz_numbers)(Path(path))
     if numbers:
         where = f" in {processes} processes, each reading it whole" if processes > 1 else ""

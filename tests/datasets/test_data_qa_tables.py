@@ -212,3 +212,24 @@ def test_natural_is_taken_in_any_letters_as_the_other_partitions_are(tmp_path):
     natural = [p.tolist() for p in partition_indices(splits, "natural", 3, seed=0)]
     assert [p.tolist() for p in partition_indices(splits, " Natural", 3, seed=0)] == natural
     assert member_source(splits, "NATURAL", 3, seed=0).sizes.tolist() == [len(p) for p in natural]
+
+
+@pytest.mark.parametrize("kind", ["csv", "npz"])
+def test_a_table_that_is_a_named_pipe_is_refused_not_waited_on(tmp_path, capfd, kind):
+    """The memory check opened --dataset's file before the loader said it is no regular file: a named pipe hung."""
+    import os
+    import threading
+
+    from fedpar.datasets.registry import check_dataset_fits
+
+    pipe = tmp_path / f"t.{kind}"
+    os.mkfifo(pipe)
+    checked = threading.Thread(target=check_dataset_fits, args=(f"{kind}:{pipe}", 3, "iid"), daemon=True)
+    checked.start()
+    checked.join(10)
+    if checked.is_alive():  # let it go: a writer's open ends the reader's wait
+        os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+    assert not checked.is_alive(), "the memory check waited on a named pipe"
+    said = _said_once(run_main(["simulate", "--dataset", f"{kind}:{pipe}", "--clients", "2", "--rounds", "1",
+                                "--partition", "iid", "--device", "cpu", "--out", str(tmp_path / "out")], capfd), 2)
+    assert f"{pipe} is not a regular file" in said, said
