@@ -100,6 +100,7 @@ def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalC
         model.train()
     params = trainable(model)
     optimizer = task.optimizer(params, config.learning_rate) if task.optimizer is not None else None
+    _check_steps_the_model(task, optimizer, params)
     anchor = [p.detach().clone() for p in model.parameters()] if config.proximal_mu > 0 else None
 
     def step(batch) -> tuple[int, float | torch.Tensor]:
@@ -120,6 +121,18 @@ def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalC
     metrics = {"loss": float(tally.loss_sum) / tally.examples} if tally.examples else {}
     check_training_loss(task, metrics.get("loss", 0.0), config.learning_rate, data.train)
     return Trained(tally.examples, tally.steps, metrics, tally.stopped)
+
+
+def _check_steps_the_model(task: Task, optimizer: Any, params: list) -> None:
+    """TaskError when the task's ``optimizer`` holds none of ``params``, those it was made with (it was made of a
+    model of its own): the model would never move, each round 'ok'."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not params or not isinstance(groups, list):  # no optimizer, or one of the task's own kind: not read
+        return
+    held = {id(p) for group in groups if isinstance(group, dict) for p in group.get("params", ())}
+    if not any(id(p) in held for p in params):
+        raise TaskError(f"task {task.name!r}: optimizer(parameters, lr) holds none of the parameters it is given (a "
+                        "model of its own?): make it of them, e.g. torch.optim.Adam(parameters, lr)")
 
 
 def check_training_loss(task: Task, loss: float, lr: float, train: object = None) -> None:

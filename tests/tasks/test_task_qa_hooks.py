@@ -152,3 +152,25 @@ def test_a_numpy_count_of_examples_is_a_whole_number_and_a_tensor_is_told_to_be_
     with pytest.raises(TaskError, match=r"train must return a whole number of examples >= 0 first \(an int: "
                                         r"\.item\(\) of a tensor\), got tensor\(10\)"):
         trainer.train(1, 8, 0.1)
+
+
+def test_an_optimizer_made_of_other_parameters_than_it_is_given_fails_the_training_in_one_line(tasks):
+    # before: it stepped a model of its own, so the federated one never moved: every round 'ok', the test loss the
+    # same to the last digit, exit 0
+    import torch
+    from torch import nn
+
+    from fedpar import Partition, TaskError
+    from fedpar.client.task_trainer import TaskTrainer
+    from fedpar.tasks.reference import load_task
+
+    task = load_task(f"{tasks}:new_head")
+    task.train = None
+    task.optimizer = lambda params, lr: torch.optim.SGD(nn.Linear(10, 3).parameters(), lr)
+    trainer = TaskTrainer(task, task.data_for(Partition(0, 2)))
+    with pytest.raises(TaskError, match=r"optimizer\(parameters, lr\) holds none of the parameters it is given \(a "
+                                        r"model of its own\?\): make it of them, e.g. torch.optim.Adam\(parameters, "
+                                        r"lr\)"):
+        trainer.train(1, 8, 0.1)
+    task.optimizer = lambda params, lr: torch.optim.Adam(params, lr)  # as meant: trains
+    assert trainer.train(1, 8, 0.1).examples > 0
