@@ -233,3 +233,16 @@ def test_a_table_that_is_a_named_pipe_is_refused_not_waited_on(tmp_path, capfd, 
     said = _said_once(run_main(["simulate", "--dataset", f"{kind}:{pipe}", "--clients", "2", "--rounds", "1",
                                 "--partition", "iid", "--device", "cpu", "--out", str(tmp_path / "out")], capfd), 2)
     assert f"{pipe} is not a regular file" in said, said
+
+
+def test_a_spreadsheet_s_crlf_quoted_csv_reads_as_the_plain_one(tmp_path):
+    """Line ends, quotes and a byte-order mark change nothing in what a client gets."""
+    rows = _rows(40).splitlines()
+    (tmp_path / "plain.csv").write_text("a,b,label,client\n" + "".join(f"{r},c{i % 4}\n" for i, r in enumerate(rows)))
+    quoted = "".join(",".join(f'"{cell}"' for cell in f"{r},c{i % 4}".split(",")) + "\r\n" for i, r in enumerate(rows))
+    (tmp_path / "excel.csv").write_bytes(("\ufeff\"a\",\"b\",\"label\",\"client\"\r\n" + quoted).encode("utf-8"))
+    plain, excel = (load_dataset(f"csv:{tmp_path / name}") for name in ("plain.csv", "excel.csv"))
+    for split in ("train", "test"):
+        assert np.array_equal(getattr(plain, split).x, getattr(excel, split).x)
+        assert np.array_equal(getattr(plain, split).y, getattr(excel, split).y)
+    assert np.array_equal(plain.train_owners, excel.train_owners)
