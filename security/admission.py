@@ -215,13 +215,16 @@ class WatchedFile:
     def watching(cls, path: str | Path, said: bool = False, quiet: bool = False):
         """This process's one watcher of ``path`` (made, and read strictly, on first use), so that the parts of a
         service that check it (its control API, its agents' port, each run) read it once per change and say so once;
-        ``said``: its first reading was said by another process; ``quiet``: another process says its readings."""
+        ``said``: its first reading was said by another process; ``quiet``: another process says its readings. A
+        later use keeps what was read when the file is unusable now, as the parts already watching it do: each run
+        that started while it was failed for good ('cannot start: cannot use revoked.txt')."""
         key = (cls, Path(path).resolve())
         with cls._shared_lock:
             watcher = cls._shared.get(key)
             if watcher is None:
-                watcher = cls._shared[key] = cls(path, said=said, quiet=quiet)
-        watcher.refresh(strict=True)
+                cls._shared[key] = cls(path, said=said, quiet=quiet)  # read strictly: a start is refused
+                return cls._shared[key]
+        watcher.refresh()
         return watcher
 
     def refresh(self, strict: bool = False) -> T:

@@ -88,3 +88,23 @@ def test_the_agent_of_the_first_token_in_a_tokens_file_with_a_byte_order_mark_ca
     done = run_main(["certs", "--out", str(certs), "--revoke", "alice"], capfd)
     assert done.returncode == 0 and done.stdout == f"revoked agent alice in {certs / 'revoked.txt'}\n", done
     assert RevocationList(certs / "revoked.txt").is_revoked("alice")
+
+
+def test_a_run_starting_while_revoked_txt_is_unusable_keeps_its_revocations_and_starts(tmp_path, caplog,
+                                                                                        monkeypatch):
+    # each queued run that started then failed for good, 'cannot start: cannot use certs/revoked.txt: ...' (and a
+    # submit was refused as the run file's mistake), one after another while the file stayed so
+    from fedpar.cli.main import build_parser
+    from fedpar.cli.tlsopts import server_security
+
+    monkeypatch.delenv("RANK", raising=False)
+    certs = tmp_path / "certs"
+    ensure_certs(certs, ["alice"])
+    (certs / "revoked.txt").write_text("alice\n")
+    args = build_parser().parse_args(["serve", "--certs", str(certs)])
+    assert server_security(args).admission.revocations.is_revoked("alice")  # the service's start: read
+    (certs / "revoked.txt").write_text("alice\nbob\n", encoding=UTF16)
+    caplog.set_level(logging.INFO, logger="fedpar.security")
+    for _ in range(3):  # a submit's check and each run's start, as the agents' port goes on
+        assert server_security(args).admission.revocations.is_revoked("alice")
+    assert len(_unusable(caplog)) == 1, _unusable(caplog)
