@@ -379,7 +379,9 @@ class Task:
         ClientData, or holds no training examples."""
         try:
             data = self.client_data(partition)
-        except TASK_CODE_ERRORS as exc:  # the task's own code: one line
+        except BaseException as exc:  # the task's own code: one line (a Ctrl-C: raised on)
+            if not is_task_failure(exc):
+                raise
             raise TaskError(f"the task's client_data raised {raised(exc)} for partition {partition.index} of "
                             f"{partition.count}: fix the task ({self.name})") from exc
         check_training_data(self.name, checked_client_data(data), f"partition {partition.index} of {partition.count}")

@@ -38,8 +38,8 @@ from fedpar.protocol.codec import one_line
 from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
-from fedpar.task import (TASK_CODE_ERRORS, ClientData, Partition, Task, TaskError, check_training_data,
-                         checked_client_data, raised, steps_in_time)
+from fedpar.task import (ClientData, Partition, Task, TaskError, check_training_data, checked_client_data,
+                         is_task_failure, raised, steps_in_time)
 from fedpar.tasks.data import in_memory
 from fedpar.simulations.traces import (DAY_SECONDS, VIRTUAL_DAY, AvailabilityEvents, Traces, check_day_seconds, online,
                                        seconds_left_online)
@@ -200,7 +200,9 @@ class PopulationMembers:
         number = int(self.pop.numbers[i])
         try:
             data = self.task.client_data(self.partition_of(number, client_id(number)))
-        except TASK_CODE_ERRORS as exc:  # the task's own code: said as such, wherever asked for (start-up, a round)
+        except BaseException as exc:  # the task's own code: said as such, wherever asked for (start-up, a round)
+            if not is_task_failure(exc):  # a Ctrl-C
+                raise
             raise TaskError(f"the task's client_data raised {raised(exc)} for {client_id(number)}") from exc
         check_training_data(self.task.name, checked_client_data(data), client_id(number))
         size = _data_bytes(data)

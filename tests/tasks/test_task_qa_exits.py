@@ -52,6 +52,16 @@ def data_exits():
     return _task(client_data=_data)
 
 
+def _data_interrupting(partition):
+    if partition.index == 1:
+        raise KeyboardInterrupt
+    return share_of(TRAIN, partition)
+
+
+def data_interrupts():
+    return _task(client_data=_data_interrupting)
+
+
 CENTRAL = []
 
 
@@ -113,6 +123,8 @@ def _simulate(ref: str, tasks: Path, capfd, *more: str):
     ("model_exits", 2, "fedpar simulate: task '{ref}': model() raised SystemExit: cannot build the model"),
     ("data_exits", 2, "fedpar simulate: the task's client_data raised SystemExit: no rows for client 1 for "
                       "client-0001: fix the task ({ref})"),
+    ("data_interrupts", 2, "fedpar simulate: the task's client_data raised KeyboardInterrupt for client-0001: fix the "
+                           "task ({ref})"),
     ("evaluation_exits", 1, "fedpar simulate: the task's evaluation raised SystemExit: evaluation gave up: fix the "
                             "task ({ref})"),
     # no Ctrl-C reaches simulate's coordinator (its launcher takes the SIGINT): a KeyboardInterrupt there is the task's
