@@ -23,11 +23,12 @@ from typing import Any, Callable
 import torch
 
 from fedpar.cli.progress import StepBar, time_left
+from fedpar.cli.user_errors import UserError
 from fedpar.client.task_trainer import Trained, train_task
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.device import queue_waiter
-from fedpar.parallel.epoch_checkpoint import (check_epoch_checkpoint, latest_epoch_checkpoint, load_epoch_checkpoint,
-                                              save_epoch_checkpoint)
+from fedpar.parallel.epoch_checkpoint import (EpochCheckpointError, check_epoch_checkpoint, latest_epoch_checkpoint,
+                                              load_epoch_checkpoint, save_epoch_checkpoint)
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.metrics import StepMetricsLog, plot_loss_curve, write_json_atomic
 from fedpar.task import (TASK_CODE_ERRORS, ClientData, Deadline, LocalConfig, Partition, Task, TaskError, TaskFailed,
@@ -267,7 +268,10 @@ class TaskCheckpoints:
         latest = self.latest()
         if latest is None:
             return dict.fromkeys(("epoch", "steps", "examples", "train_seconds"), 0.0)
-        counters = load_epoch_checkpoint(latest, model, self.afresh)
+        try:
+            counters = load_epoch_checkpoint(latest, model, self.afresh)
+        except EpochCheckpointError as exc:  # the task's model changed since (its file edited): one line, exit 2
+            raise UserError(str(exc)) from None
         self.last_steps = int(counters["steps"])
         bar.line(f"resumed from {latest} after epoch {int(counters['epoch']) - 1} (step {self.last_steps})")
         return counters

@@ -110,8 +110,13 @@ def load_epoch_checkpoint(path: Path, model: nn.Module, afresh: str) -> dict[str
     try:
         state = load_file(str(path / STATE_FILE))
         missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
-    except (SafetensorError, OSError, RuntimeError) as exc:
+    except (SafetensorError, OSError) as exc:
         raise EpochCheckpointError(f"cannot resume from {path}: {str(exc).splitlines()[0]}; {afresh}") from None
+    except RuntimeError as exc:  # torch's 'Error(s) in loading state_dict for X:', then each weight that differs
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
+        first = lines[1] if len(lines) > 1 else lines[0]
+        raise EpochCheckpointError(f"cannot resume from {path}: its weights are another model's ({first}); {afresh}"
+                                   ) from None
     if missing or unexpected:
         raise EpochCheckpointError(f"cannot resume from {path}: its weights are another model's (missing "
                                    f"{sorted(missing)[:3]}, unknown {sorted(unexpected)[:3]}); {afresh}")
