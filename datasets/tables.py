@@ -9,9 +9,9 @@
   (blank lines are skipped).
 
 Clients are numbered in the sorted order of their ids. A fifth of each client's examples (one at least, for
-clients of two or more) is held out as the pooled test set, as for the synthetic data; without a client column
-the whole file is one owner-less pool (use iid, dirichlet or shards then) and a fifth of it (one at least, of
-two or more), drawn at random, is the test set; a table that leaves no test example is refused.
+clients of two or more), drawn at random, is held out as the pooled test set, as for the synthetic data; without a
+client column the whole file is one owner-less pool (use iid, dirichlet or shards then) and a fifth of it (one at
+least, of two or more), drawn at random, is the test set; a table that leaves no test example is refused.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ CSV_SAMPLE = 1 << 20  # the first bytes of a CSV that say how many numbers a byt
 
 def owned_splits(x: np.ndarray, y: np.ndarray, owners: np.ndarray | None, num_classes: int | None = None,
                  seed: int = 0) -> DatasetSplits:
-    """Train and test sets from examples with (or without) owners: each owner's first fifth is held out."""
+    """Train and test sets from examples with (or without) owners: a fifth of each owner's, drawn at random (by
+    ``seed``), is held out."""
     y = np.asarray(y, np.int64)
     classes = int(num_classes if num_classes is not None else y.max() + 1)
     if owners is None:
@@ -55,7 +56,11 @@ def owned_splits(x: np.ndarray, y: np.ndarray, owners: np.ndarray | None, num_cl
             x, y, owners = x[order], y[order], owners[order]
         sizes = np.bincount(owners)
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        position = np.arange(len(y)) - np.repeat(starts, sizes)  # an example's place within its owner's
+        # An example's place in a random order of its owner's: not the file's order (the first fifth of a table
+        # sorted by label would be a test set of its first classes, and those classes would not be trained on).
+        shuffled = np.lexsort((np.random.default_rng(seed).random(len(y)), owners))
+        position = np.empty(len(y), np.int64)
+        position[shuffled] = np.arange(len(y)) - np.repeat(starts, sizes)
         held_out = position < np.repeat(np.where(sizes >= 2, np.maximum(1, sizes // TEST_SHARE), 0), sizes)
     return DatasetSplits(ArrayDataset(x[~held_out], y[~held_out]), ArrayDataset(x[held_out], y[held_out]),
                          classes, tuple(x.shape[1:]),

@@ -246,3 +246,18 @@ def test_a_spreadsheet_s_crlf_quoted_csv_reads_as_the_plain_one(tmp_path):
         assert np.array_equal(getattr(plain, split).x, getattr(excel, split).x)
         assert np.array_equal(getattr(plain, split).y, getattr(excel, split).y)
     assert np.array_equal(plain.train_owners, excel.train_owners)
+
+
+def test_a_table_sorted_by_label_holds_out_every_class_of_each_client(tmp_path):
+    """Each client's first fifth was its test share: a table exported sorted by client then label (20 rows of each
+    of 5 classes a client) had a test set of class 0 only, and no example of class 0 to train on."""
+    rng = np.random.default_rng(0)
+    rows = [f"{rng.normal() + label:.3f},{rng.normal():.3f},{label},site{c}"
+            for c in range(4) for label in range(5) for _ in range(20)]
+    (tmp_path / "t.csv").write_text("a,b,label,client\n" + "\n".join(rows) + "\n")
+    splits = load_dataset(f"csv:{tmp_path / 't.csv'}")
+    assert len(splits.test) == 80 and np.bincount(splits.train_owners).tolist() == [80] * 4  # a fifth of each
+    assert (np.bincount(splits.test.y, minlength=5) >= 8).all(), np.bincount(splits.test.y)  # 16 each expected
+    assert (np.bincount(splits.train.y, minlength=5) >= 48).all(), np.bincount(splits.train.y)  # 64 each expected
+    again = load_dataset(f"csv:{tmp_path / 't.csv'}")
+    assert np.array_equal(again.test.x, splits.test.x) and np.array_equal(again.train_owners, splits.train_owners)
