@@ -239,6 +239,11 @@ def check_dataset(what: str, value: Any) -> None:
     if isinstance(value, dict) or pair:
         raise TaskError(f"{what} is a {type(value).__name__} of arrays, not a dataset of examples: give "
                         "TensorDataset(inputs, targets) (torch.utils.data)")
+    data = sys.modules.get("torch.utils.data")  # loaded already where a DataLoader was made
+    if data is not None and isinstance(value, data.DataLoader):
+        raise TaskError(f"{what} is a DataLoader, which batches a dataset, not the dataset: give its dataset "
+                        "(loader.dataset); fedpar batches it (a task's loader(dataset, batch_size, generator) says "
+                        "how)")
 
 
 def check_training_data(task_name: str, data: ClientData, whose: str = "") -> None:

@@ -1,6 +1,7 @@
 """A task whose test_data() gives an empty dataset (a split cut at the wrong index, a filter that kept nothing) is
 refused in one line as it loads, not run with no central evaluation and no word of it; None stays the way to say
-there is none. A client whose client_data holds no training examples is named, among many."""
+there is none. A client whose client_data holds no training examples is named, among many. A DataLoader given where a
+dataset goes is refused as the task loads, saying to give its dataset."""
 
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ def _one_empty(partition):
 
 def one_client_empty():
     return Task(model=lambda: nn.Linear(4, 2), client_data=_one_empty, loss=nn.functional.cross_entropy)
+
+
+def _loader_data(partition):
+    return ClientData(torch.utils.data.DataLoader(share_of(TRAIN, partition).train, batch_size=32, shuffle=True))
+
+
+def loader_data():  # a DataLoader where a dataset goes, as a PyTorch script hands one to its loop
+    return Task(model=lambda: nn.Linear(4, 2), client_data=_loader_data, loss=nn.functional.cross_entropy)
+
+
+def loader_test():
+    return Task(model=lambda: nn.Linear(4, 2), client_data=lambda p: share_of(TRAIN, p),
+                loss=nn.functional.cross_entropy,
+                test_data=lambda: torch.utils.data.DataLoader(TensorDataset(X[80:], Y[80:]), batch_size=32))
 
 
 def without():
@@ -81,3 +96,17 @@ def test_a_client_with_no_training_examples_is_named(tasks, capfd):
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1].startswith(
         f"fedpar client: task {ref!r}: client_data gave no training examples for partition 2 of 3"), run.stderr
+
+
+@pytest.mark.parametrize("factory, what", [("loader_data", "client_data's ClientData.train"),
+                                           ("loader_test", "the dataset to evaluate (test_data())")])
+def test_a_dataloader_where_a_dataset_goes_is_refused_as_the_task_loads(factory, what, tasks, capfd):
+    # before: every round failed, "the task's training raised TypeError: 'DataLoader' object is not subscriptable"
+    ref = f"{tasks}:{factory}"
+    run = run_main(["simulate", "--task", ref, "--clients", "2", "--rounds", "2", "--quiet", "--out", "out"], capfd,
+                   tasks.parent)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{what} is a DataLoader, which batches a dataset, not the dataset: give its dataset " \
+        "(loader.dataset); fedpar batches it (a task's loader(dataset, batch_size, generator) says how)" in lines[0], \
+        lines
