@@ -112,9 +112,10 @@ class OneShotService(RunService):
         if server.coordinator.round_id >= 1:
             super().waiting(server)
 
-    def wait_line(self, run, task: str, need: int, with_task: list[str], connected: list[str]) -> str:
-        """What the coordinator waiting for --min-available agents says."""
-        return (f"waiting for {counted(need, 'agent')} (--min-available): {len(with_task)} connected now "
+    def wait_line(self, run, task: str, need: int, with_task: list[str], connected: list[str], why: str) -> str:
+        """What the coordinator waiting for --min-available (or --min-reports) agents says."""
+        option = "--min-reports" if why.startswith("min_reports") else "--min-available"
+        return (f"waiting for {counted(need, 'agent')} ({option}): {len(with_task)} connected now "
                 f"({', '.join(with_task) or 'none'})")
 
     def say_waiting(self, run, line: str, first: bool) -> None:

@@ -148,7 +148,7 @@ class RunService:
         checked = run_settings(settings, "run settings")
         args = run_args(self.args, {**checked, "out": str(self.runs_dir / "check")})
         try:
-            self.plan(args)
+            config = self.plan(args).config
         except UserError as exc:
             raise ValueError(str(exc)) from None
         except OSError as exc:  # e.g. a dataset file that is not there: the service's machine's, not the operator's
@@ -161,7 +161,12 @@ class RunService:
             has = "; ".join(f"{agent}: {declared[agent] or 'did not say'}" for agent in sorted(declared))
             raise ValueError(f"no connected agent has task {task!r} (they have: {has}); start agents with it, or "
                              "submit a task they have")
-        return fixed, ""
+        joined = [agent for agent in sorted(declared) if declared[agent] == task]
+        need, why = agents_needed(config)
+        if len(joined) >= need:
+            return fixed, ""
+        return fixed, (f"the run needs {counted(need, 'agent')} with task {task!r} ({why}) and {len(joined)} "
+                       f"{'is' if len(joined) == 1 else 'are'} joined now ({', '.join(joined)})")
 
     def _agents_now(self) -> dict[str, str | None]:
         """The task each agent connected now declared ({} while the agents' port is not open)."""
@@ -252,7 +257,7 @@ class RunService:
         """Twice a second while ``server``'s rounds run: while fewer than --min-available agents with the run's task
         are connected, the run's log says so (the service's stderr too, once a wait), again when who is connected
         changes, and every minute."""
-        members, need = server.coordinator.members, server.coordinator.config.min_available
+        members, (need, why) = server.coordinator.members, agents_needed(server.coordinator.config)
         try:
             with_task, connected = server.on_loop(lambda: (members.live_ids(), members.registry.live_ids()),
                                                   timeout=2.0)
@@ -266,7 +271,7 @@ class RunService:
             self._wait = [now, None, ""]  # [waiting since, last said, what]
         since, said, what = self._wait
         run, task = self._current
-        line = self.wait_line(run, task, need, with_task, connected)
+        line = self.wait_line(run, task, need, with_task, connected, why)
         if now - since < WAIT_SAID_AFTER_SECONDS or (line == what and now - said < WAIT_SAID_EVERY_SECONDS):
             return
         self.say_waiting(run, line, first=said is None)
@@ -278,10 +283,12 @@ class RunService:
         if first:
             print(f"fedpar service: {line}", file=sys.stderr, flush=True)
 
-    def wait_line(self, run, task: str, need: int, with_task: list[str], connected: list[str]) -> str:
-        """What a run waiting for ``need`` agents says: those connected with its task, and all those connected."""
-        return (f"run {run.id} waits for {counted(need, 'agent')} with task {task!r}: {len(with_task)} connected with "
-                f"it now ({', '.join(with_task) or 'none'}), {len(connected)} connected in all")
+    def wait_line(self, run, task: str, need: int, with_task: list[str], connected: list[str], why: str) -> str:
+        """What a run waiting for ``need`` agents says: those connected with its task, and all those connected (and
+        ``why`` it needs them when its min_reports, not the service's --min-available, sets it)."""
+        because = f" ({why})" if why.startswith("min_reports") else ""
+        return (f"run {run.id} waits for {counted(need, 'agent')} with task {task!r}{because}: {len(with_task)} "
+                f"connected with it now ({', '.join(with_task) or 'none'}), {len(connected)} connected in all")
 
     def round_error(self, exc: Exception, config) -> str:
         """Why a run ended by ``exc`` (a round's error) failed: the service goes on with the next run (called in
@@ -410,6 +417,14 @@ class RunService:
         """``line`` in the run's log ('fedpar run logs') and on the service's output."""
         self.store.log(run.id, line)
         print(line, flush=True)
+
+
+def agents_needed(config) -> tuple[int, str]:
+    """How many agents of its task a run of ``config`` needs, and why: a round starts once --min-available are
+    connected, and fails with fewer than its min_reports updates."""
+    if config.min_reports > config.min_available:
+        return config.min_reports, f"min_reports = {config.min_reports}; its rounds fail with fewer"
+    return config.min_available, f"the service's --min-available {config.min_available}; it waits for them"
 
 
 def lost_checkpoints(run, checkpoint_dir: Path | None) -> str | None:

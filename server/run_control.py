@@ -151,7 +151,8 @@ class RunControl(pb_grpc.RunControlServicer):
                 raise ValueError("run settings must be a table of settings")
             check_run_name(request.name)  # another client than 'fedpar run' may send any text
             checked, warning = self.validate(settings)
-            return pb.RunRef(run_id=self.store.submit(request.name or "run", checked, who), warning=warning)
+            return pb.RunRef(run_id=self.store.submit(request.name or "run", checked, who, reason=warning),
+                             warning=warning)
         return self._guard(context, "submit", submit)
 
     def List(self, request: pb.RunQuery, context) -> pb.RunList:

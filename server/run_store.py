@@ -259,11 +259,13 @@ class RunStore:
             self._db.close()
 
     # ----------------------------------------------------------------- runs
-    def submit(self, name: str, settings: dict, who: str = "local") -> int:
-        """Queue a run of ``settings`` (JSON-ready, already validated); returns its id. Audited."""
+    def submit(self, name: str, settings: dict, who: str = "local", reason: str = "") -> int:
+        """Queue a run of ``settings`` (JSON-ready, already validated), ``reason`` saying what it waits for ('fedpar
+        run ls' shows it); returns its id. Audited."""
         def write(db):
-            run_id = db.execute("INSERT INTO runs (name, settings, status, created) VALUES (?, ?, 'queued', ?)",
-                                (name, json.dumps(settings, sort_keys=True), time.time())).lastrowid
+            run_id = db.execute("INSERT INTO runs (name, settings, status, reason, created) VALUES "
+                                "(?, ?, 'queued', ?, ?)",
+                                (name, json.dumps(settings, sort_keys=True), reason, time.time())).lastrowid
             _audit(db, who, "submit", run_id, name)
             return run_id
         return self._run_write(write)
