@@ -26,6 +26,7 @@ from torch import nn
 from fedpar.client.engine_control import SHUTDOWN, TRAIN, Command, ControlChannel
 from fedpar.client.local_loop import Lane, OneMember, StepTally, TrainResult, run_loop, trainable, update
 from fedpar.client.trainer_protocol import Spec
+from fedpar.client.task_trainer import check_steps_the_model
 from fedpar.models.weights import get_weights, set_weights, weight_specs
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
 from fedpar.parallel.config import ParallelConfig, layout_for
@@ -203,6 +204,7 @@ class EngineTrainer:
         model.train()
         params = trainable(model)
         optimizer = task.optimizer(params, c.lr) if task.optimizer is not None else None
+        check_steps_the_model(task, optimizer, params)
         anchor = [p.detach().clone() for p in params] if c.proximal_mu > 0 else None
         sampler, global_batch = self._sampler(c.batch_size, c.round_id)
         n = self.num_examples

@@ -100,7 +100,7 @@ def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalC
         model.train()
     params = trainable(model)
     optimizer = task.optimizer(params, config.learning_rate) if task.optimizer is not None else None
-    _check_steps_the_model(task, optimizer, params)
+    check_steps_the_model(task, optimizer, params)
     anchor = [p.detach().clone() for p in model.parameters()] if config.proximal_mu > 0 else None
 
     def step(batch) -> tuple[int, float | torch.Tensor]:
@@ -123,7 +123,7 @@ def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalC
     return Trained(tally.examples, tally.steps, metrics, tally.stopped)
 
 
-def _check_steps_the_model(task: Task, optimizer: Any, params: list) -> None:
+def check_steps_the_model(task: Task, optimizer: Any, params: list) -> None:
     """TaskError when the task's ``optimizer`` holds none of ``params``, those it was made with (it was made of a
     model of its own): the model would never move, each round 'ok'."""
     groups = getattr(optimizer, "param_groups", None)
