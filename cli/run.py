@@ -251,11 +251,16 @@ def _print_logs(stub, run_id: int, follow: bool) -> str:
 
 
 def _stop(stub, run_id: int) -> int:
-    """Ask run ``run_id`` to stop; 1, with one line, when it had already ended (nothing to do)."""
+    """Ask run ``run_id`` to stop (a failed one that could not resume too: else it is tried at each start); 1, with
+    one line, when it had already ended (nothing to do)."""
     from fedpar.protocol import fedpar_pb2 as pb
-    from fedpar.server.run_store import ENDED
+    from fedpar.server.run_store import CANNOT_RESUME, ENDED
 
     run = json.loads(stub.Stop(pb.RunRef(run_id=run_id), timeout=30).runs_json)[0]
+    if run["status"] == "failed" and run["reason"].startswith(CANNOT_RESUME):  # stopped now: else tried at each start
+        print(f"run {run['id']} had failed (it could not resume): stopped, so the service no longer tries it again "
+              "when it starts")
+        return 0
     if run["status"] in ENDED:
         print(f"fedpar run: run {run['id']} already ended ({run['status']}): nothing to stop", file=sys.stderr)
         return 1

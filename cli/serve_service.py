@@ -27,12 +27,10 @@ from fedpar.protocol import file_lock
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.file_lock import FileLock
 from fedpar.wording import counted
-from fedpar.server.run_store import RunStore, StoreError, check_state_folder
+from fedpar.server.run_store import CANNOT_RESUME, TRIED_AGAIN, RunStore, StoreError, check_state_folder
 from fedpar.settings import setting
 
 IDLE_POLL_SECONDS = 0.5
-CANNOT_RESUME = "cannot resume: "  # a failed run whose reason starts so is queued again at the next start (retry)
-TRIED_AGAIN = "the service tries again when it is started again on the same --state"
 WAIT_SAID_AFTER_SECONDS = 3.0  # a run waiting for agents says so after this long (agents re-join in about that)
 WAIT_SAID_EVERY_SECONDS = 60.0  # and again in its log while it still waits
 
@@ -508,7 +506,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
             lock.release(refused=False)
     for run_id in store.recover():
         _say_at_start(store, run_id, "was running when the service last ended: it resumes from its last checkpoint")
-    for run_id in store.retry(CANNOT_RESUME):
+    for run_id in store.retry():
         _say_at_start(store, run_id, "could not resume when the service last ran: it tries again from its last "
                                      "checkpoint")
     service, control = RunService(args, store, args.port, plan, rank_group), None

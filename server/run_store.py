@@ -20,6 +20,8 @@ from typing import Any
 
 STATUSES = ("queued", "running", "finished", "failed", "stopped")
 ENDED = ("finished", "failed", "stopped")
+CANNOT_RESUME = "cannot resume: "  # a failed run whose reason starts so is queued again at the next start (retry)
+TRIED_AGAIN = "the service tries again when it is started again on the same --state"
 
 # Migration i brings a store of schema version i to version i + 1.
 MIGRATIONS = (
@@ -324,7 +326,8 @@ class RunStore:
             (status, reason, model_path, time.time(), run_id)))
 
     def request_stop(self, run_id: int, who: str = "local") -> Run:
-        """Ask ``run_id`` to stop: a queued run is stopped at once, a running one at its next check. Audited."""
+        """Ask ``run_id`` to stop: a queued run is stopped at once, a running one at its next check, and a failed one
+        that could not resume (tried again at each start) is stopped for good. Audited. The run as it was."""
         def write(db):
             row = db.execute(f"SELECT {_COLUMNS} FROM runs WHERE id = ?", (int(run_id),)).fetchone()
             if row is None:
@@ -335,6 +338,10 @@ class RunStore:
                            (f"stopped by {who} before it started", time.time(), run.id))
             elif run.status == "running":
                 db.execute("UPDATE runs SET stop_requested = 1 WHERE id = ?", (run.id,))
+            elif run.status == "failed" and run.reason.startswith(CANNOT_RESUME):
+                why = run.reason.removeprefix(CANNOT_RESUME).removesuffix(f"; {TRIED_AGAIN}")
+                db.execute("UPDATE runs SET status = 'stopped', reason = ?, stop_requested = 1, ended = ? WHERE id = ?",
+                           (f"stopped by {who} after it could not resume: {why}", time.time(), run.id))
             _audit(db, who, "stop", run.id, run.status)
             return run
         return self._run_write(write)
@@ -358,12 +365,13 @@ class RunStore:
             return [run_id for run_id, stop in stuck if not stop]
         return self._run_write(write)
 
-    def retry(self, reason: str) -> list[int]:
-        """Queue again every failed run whose reason starts with ``reason`` (one that could not resume: its
-        checkpoint may have been mended since); returns their ids."""
+    def retry(self) -> list[int]:
+        """Queue again every failed run that could not resume (its reason starts with CANNOT_RESUME: its checkpoint
+        may have been mended since) and that no one asked to stop; returns their ids."""
         def write(db):
             again = [run_id for (run_id,) in db.execute(
-                "SELECT id FROM runs WHERE status = 'failed' AND substr(reason, 1, length(?)) = ?", (reason, reason))]
+                "SELECT id FROM runs WHERE status = 'failed' AND stop_requested = 0 AND substr(reason, 1, length(?)) "
+                "= ?", (CANNOT_RESUME, CANNOT_RESUME))]
             db.executemany("UPDATE runs SET status = 'queued', reason = 'tried again: it could not resume before', "
                            "ended = NULL WHERE id = ?", [(run_id,) for run_id in again])
             return again
