@@ -39,6 +39,9 @@ def _import(module: str, ref: str):
         return importlib.import_module(module)
     except ImportError as exc:
         raise ValueError(f"cannot import {module!r} (from {ref!r}): {exc}") from None
+    except (Exception, SystemExit) as exc:  # its own code failed as it ran (a SyntaxError, what it raised, its exit)
+        raise ValueError(f"importing {module!r} (from {ref!r}) failed: {type(exc).__name__}: {exc}"
+                         f"{_exit_hint(exc)}") from None
 
 
 def _load_file(path: str, ref: str):
@@ -60,12 +63,19 @@ def _load_file(path: str, ref: str):
     return module
 
 
+def _exit_hint(exc: BaseException) -> str:
+    """How to keep a script's part from running as it is loaded, when ``exc`` is its exit; else ''."""
+    if not isinstance(exc, SystemExit):
+        return ""
+    return (" (it exited as it was loaded: a file fedpar loads must not parse the command line or exit when imported; "
+            "put its script part under if __name__ == '__main__':)")
+
+
 def _sibling_hint(exc: BaseException, file: Path) -> str:
     """How to import a module that lies beside ``file`` (its folder is not on sys.path), when ``exc`` failed to; how
     to keep a script's part from running as it is loaded, when ``exc`` is its exit."""
     if isinstance(exc, SystemExit):
-        return (" (it exited as it was loaded: a file fedpar loads must not parse the command line or exit when "
-                "imported; put its script part under if __name__ == '__main__':)")
+        return _exit_hint(exc)
     top = (getattr(exc, "name", None) or "").partition(".")[0]
     if not isinstance(exc, ModuleNotFoundError) or not top:
         return ""

@@ -128,7 +128,8 @@ def _simulate(ref: str, tasks: Path, capfd, *more: str):
     ("evaluation_exits", 1, "fedpar simulate: the task's evaluation raised SystemExit: evaluation gave up: fix the "
                             "task ({ref})"),
     # no Ctrl-C reaches simulate's coordinator (its launcher takes the SIGINT): a KeyboardInterrupt there is the task's
-    ("evaluation_interrupts", 1, "fedpar simulate: the task's evaluation raised KeyboardInterrupt: fix the task ({ref})"),
+    ("evaluation_interrupts", 1, "fedpar simulate: the task's evaluation raised KeyboardInterrupt: fix the task "
+                                 "({ref})"),
 ])
 def test_a_sys_exit_in_the_task_s_code_is_its_failure_in_one_line(factory, code, line, tasks, capfd):
     # before: 'no such dataset' alone, exit 1; the worker 'died with exit code 1' after its own line; and the
@@ -161,3 +162,22 @@ def test_a_task_file_that_parses_the_command_line_as_it_loads_says_to_guard_its_
         "fedpar simulate: --task: running script.py failed: SystemExit: 2 (it exited as it was loaded: a file fedpar "
         "loads must not parse the command line or exit when imported; put its script part under if __name__ == "
         "'__main__':)")
+
+
+@pytest.mark.parametrize("source, said", [
+    ("def task(:\n    pass\n", "SyntaxError: invalid syntax (qa_module_syntax.py, line 1)"),
+    ("raise RuntimeError('no data folder')\n", "RuntimeError: no data folder"),
+    ("import sys\nsys.exit('no GPU')\n", "SystemExit: no GPU (it exited as it was loaded"),
+], ids=["syntax", "raises", "exits"])
+def test_a_task_module_that_fails_to_import_is_one_line_as_a_task_file_is(source, said, tmp_path, capfd, monkeypatch,
+                                                                          request):
+    # before: the import's traceback, exit 1 (a task file's failure was one line, exit 2, already)
+    name = {"syntax": "qa_module_syntax", "raises": "qa_module_raises", "exits": "qa_module_exits"}[
+        request.node.callspec.id]
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = run_main(["simulate", "--task", f"{name}:task", "--clients", "2", "--out", "out"], capfd, tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        f"fedpar simulate: --task: importing {name!r} (from '{name}:task') failed: {said}"), run.stderr
