@@ -360,7 +360,7 @@ class RunService:
             while not server.wait(0.5):
                 self.waiting(server)
                 if self.store.stop_requested(run.id):
-                    status, reason = "stopped", f"stopped after round {server.coordinator.round_id}"
+                    status = "stopped"  # its reason once the stop settled a round that was closing (below)
                     break
             else:
                 status = "finished"
@@ -380,6 +380,8 @@ class RunService:
                                plots=status is not None)  # a signal's stop has none: the service stops within 2 s
         if status is None:
             return RunEnd(None, "", outputs=outputs, stopped_by=stopped_by)
+        if status == "stopped":  # the round its rows, 'fedpar run ls' and its summary hold: one value
+            reason = f"stopped after round {self.store.get(run.id).round}"
         if status == "finished":  # as the one-shot form's exit code: a run none of whose rounds succeeded failed
             failed = every_round_failed(outputs.summary, args.task, "min_reports, deadline_seconds")
             status, reason = ("failed", failed) if failed else (status, reason)
