@@ -5,6 +5,7 @@ while its workers wait a minute for it and die with tracebacks."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,13 +151,15 @@ def test_a_sys_exit_in_a_train_hook_under_fedpar_train_is_its_failure_in_one_lin
         "fedpar train: the task's training raised SystemExit: no GPU, giving up"), run.stderr
 
 
-def test_a_task_file_that_parses_the_command_line_as_it_loads_says_to_guard_its_script_part(tasks, capfd):
+def test_a_task_file_that_parses_the_command_line_as_it_loads_says_to_guard_its_script_part(tasks, capfd,
+                                                                                            monkeypatch):
     # before: argparse's 'usage: fedpar [-h] [--hidden HIDDEN]' and 'fedpar: error: unrecognized arguments: simulate
     # --task ...', as if fedpar's own command line were wrong
     script = tasks.parent / "script.py"
     script.write_text(SCRIPT)
-    run = run_main(["simulate", "--task", f"{script.name}:task", "--clients", "2", "--out", "out"], capfd,
-                   tasks.parent)
+    argv = ["simulate", "--task", f"{script.name}:task", "--clients", "2", "--out", "out"]
+    monkeypatch.setattr(sys, "argv", ["fedpar", *argv])  # what the script parses: fedpar's, not this test runner's
+    run = run_main(argv, capfd, tasks.parent)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1] == (
         "fedpar simulate: --task: running script.py failed: SystemExit: 2 (it exited as it was loaded: a file fedpar "
