@@ -48,32 +48,43 @@ def test_run_at_a_web_server_says_it_is_one_and_which_port_to_give(web_server, t
         "not a service's control API; give --control the service's --control-port"], done.stderr
 
 
-@pytest.fixture()
-def other_program():
-    """A loopback port where a program that speaks neither TLS nor gRPC answers (an SSH server's banner): its
-    address."""
+@contextlib.contextmanager
+def _answering(answer):
+    """A loopback port whose every connection ``answer(conn)`` serves on a thread of its own: its address."""
     server = socket.create_server(("127.0.0.1", 0))
     done = threading.Event()
 
-    def answer():
+    def accept():
         server.settimeout(0.2)
         while not done.is_set():
             try:
                 conn, _ = server.accept()
             except TimeoutError:
                 continue
-            with conn:
-                conn.sendall(b"SSH-2.0-OpenSSH_8.9\r\n")
-                conn.settimeout(2)
-                with contextlib.suppress(OSError):
-                    conn.recv(4096)  # until the client hangs up
+            with conn, contextlib.suppress(OSError):
+                answer(conn)
 
-    thread = threading.Thread(target=answer, daemon=True)
+    thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    yield f"127.0.0.1:{server.getsockname()[1]}"
-    done.set()
-    thread.join(10)
-    server.close()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        done.set()
+        thread.join(10)
+        server.close()
+
+
+@pytest.fixture()
+def other_program():
+    """A loopback port where a program that speaks neither TLS nor gRPC answers (an SSH server's banner): its
+    address."""
+    def banner(conn):
+        conn.sendall(b"SSH-2.0-OpenSSH_8.9\r\n")
+        conn.settimeout(2)
+        conn.recv(4096)  # until the client hangs up
+
+    with _answering(banner) as address:
+        yield address
 
 
 def test_run_at_another_programs_port_says_so_not_that_the_certificates_are_wrong(other_program, tmp_path, capfd):
@@ -99,27 +110,15 @@ def tls_not_grpc(tmp_path):
     context.load_cert_chain(certs / "server.pem", certs / "server.key")
     context.load_verify_locations(certs / "ca.pem")
     context.verify_mode = ssl.CERT_OPTIONAL
-    server = socket.create_server(("127.0.0.1", 0))
-    done = threading.Event()
 
-    def answer():
-        server.settimeout(0.2)
-        while not done.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            with contextlib.suppress(OSError), context.wrap_socket(conn, server_side=True) as tls:
-                tls.settimeout(2)
-                tls.recv(4096)
-                tls.sendall(b"\x00\x01")  # a frame of its own protocol, then it hangs up
+    def frame(conn):
+        with context.wrap_socket(conn, server_side=True) as tls:
+            tls.settimeout(2)
+            tls.recv(4096)
+            tls.sendall(b"\x00\x01")  # a frame of its own protocol, then it hangs up
 
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    yield f"127.0.0.1:{server.getsockname()[1]}", certs
-    done.set()
-    thread.join(10)
-    server.close()
+    with _answering(frame) as address:
+        yield address, certs
 
 
 def test_run_at_a_tls_port_that_is_not_grpc_says_so(tls_not_grpc, capfd):
