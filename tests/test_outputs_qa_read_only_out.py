@@ -15,18 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+from support.processes import DROP_ROOT_OVERRIDES
+
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 4
-# Run as `python -c DROP_ROOT_OVERRIDES FEDPAR...`: root writes into a read-only folder unless these are dropped.
-DROP_ROOT_OVERRIDES = """
-import ctypes, os, sys
-if os.geteuid() == 0:
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
-os.execv(sys.argv[1], sys.argv[1:])
-"""
 
 
 def _rows(path: Path) -> int:

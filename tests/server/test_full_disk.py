@@ -23,27 +23,13 @@ from fedpar.server.checkpoint import load_checkpoint
 from support.devices import RANKS_ON_CPU
 from support.digit_agents import start_digit_agents
 from support.ports import free_port_run
+from support.processes import DROP_ROOT_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS, FAULT_AFTER = 5, 2
 FLAGS = ["--insecure", "--rounds", str(ROUNDS), "--min-available", "2", "--clients-per-round", "2",
          "--overselect", "1.0", "--deadline", "30", "--seed", "3", "--heartbeat", "1", "--liveness-timeout", "10",
          "--local-epochs", "1", "--batch-size", "32", "--no-central-eval"]
-
-
-# Run as `python -c DROP_ROOT_OVERRIDES SERVE...`: drop the capabilities that let root write into a read-only folder,
-# then become the serve command. In a fresh interpreter, not in a preexec_fn: the forked child of this process (whose
-# agents' gRPC threads run) would run gRPC's fork handlers before exec, which sometimes abort it ("epoll_wait error:
-# Bad file descriptor", exit -6: the serve never started).
-DROP_ROOT_OVERRIDES = """
-import ctypes, os, sys
-if os.geteuid() == 0:
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
-os.execv(sys.argv[1], sys.argv[1:])
-"""
 
 
 def _serve(tmp: Path, port: int, ranks: int) -> subprocess.Popen:

@@ -16,6 +16,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+# Run as `python -c DROP_ROOT_OVERRIDES COMMAND...`: drop the capabilities that let root write into a read-only
+# folder, then become the command. In a fresh interpreter, not in a preexec_fn: the forked child of this process (whose
+# agents' gRPC threads run) would run gRPC's fork handlers before exec, which sometimes abort it ("epoll_wait error:
+# Bad file descriptor", exit -6: the command never started).
+DROP_ROOT_OVERRIDES = """
+import ctypes, os, sys
+if os.geteuid() == 0:
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
 def port_from(proc: subprocess.Popen, lines: list[str], listening: str = "(mutual TLS)",
               timeout: float = 90.0) -> int:
     """The port of the coordinator's "listening on 127.0.0.1:PORT <listening>" line, reading its text stdout into
