@@ -131,8 +131,8 @@ def _fake_history(tmp: Path) -> None:
     keys, strategy_arrays, _ = load_tensors(first / "strategy.safetensors")
     state = json.loads((first / "state.json").read_text())
     state.pop("round")
-    state.update(metrics_row={**template, "round": HISTORY, "cohort_digest": f"{HISTORY:016x}"},
-                 metrics_summary=summary.state())
+    # the checkpoint keeps its round's row as logged: a resume checks it against --out's (another run's rows?)
+    state.update(metrics_row=row, metrics_summary=summary.state())
     save_checkpoint(ckpt, Checkpoint(HISTORY, names, arrays, dict(zip(keys, strategy_arrays)), state))
 
 
