@@ -221,12 +221,12 @@ def run(args: argparse.Namespace) -> int:
             warn_revoked_names(paths, [*args.agents, *args.operators])
         kinds = {agent_id: check_known_agent(paths, agent_id) for agent_id in args.revoke}
         for agent_id in args.revoke:
-            append_revocation(paths.revoked, agent_id=agent_id)
-            print(f"revoked {kinds[agent_id]} {agent_id} in {paths.revoked}")
+            done = "revoked" if append_revocation(paths.revoked, agent_id=agent_id) else "already revoked:"
+            print(f"{done} {kinds[agent_id]} {agent_id} in {paths.revoked}")
         for pem in args.revoke_cert:
             serial = serial_to_revoke(paths, pem)
-            append_revocation(paths.revoked, serial=serial)
-            print(f"revoked certificate {pem} (serial {serial:x}) in {paths.revoked}")
+            done = "revoked" if append_revocation(paths.revoked, serial=serial) else "already revoked:"
+            print(f"{done} certificate {pem} (serial {serial:x}) in {paths.revoked}")
         for agent_id in args.mint_token:
             replaced = has_token(paths.tokens, agent_id)
             token = mint_token(paths.tokens, agent_id)

@@ -142,13 +142,21 @@ def _append_line(path: Path, line: str) -> None:
         os.fsync(fh.fileno())
 
 
-def append_revocation(path: str | Path, agent_id: str | None = None, serial: int | None = None) -> None:
-    """Add an agent id and/or a certificate serial to the revocation file (created if missing)."""
+def append_revocation(path: str | Path, agent_id: str | None = None, serial: int | None = None) -> bool:
+    """Add an agent id and/or a certificate serial to the revocation file (created if missing); False when each was
+    revoked there already (nothing added: a second line would only have to be removed twice to undo it)."""
+    path = Path(path)
+    ids, serials = (parse_revocations(path.read_text(encoding="utf-8-sig"), str(path)) if path.is_file()
+                    else (set(), set()))
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    if agent_id:
-        _append_line(Path(path), f"{agent_id}  # revoked {stamp}")
-    if serial is not None:
-        _append_line(Path(path), f"serial:{serial:x}  # revoked {stamp}")
+    added = False
+    if agent_id and agent_id not in ids:
+        _append_line(path, f"{agent_id}  # revoked {stamp}")
+        added = True
+    if serial is not None and serial not in serials:
+        _append_line(path, f"serial:{serial:x}  # revoked {stamp}")
+        added = True
+    return added
 
 
 def parse_revocations(text: str, source: str = "revocation file") -> tuple[set[str], set[int]]:
