@@ -144,10 +144,10 @@ def _append_line(path: Path, line: str) -> None:
 
 def append_revocation(path: str | Path, agent_id: str | None = None, serial: int | None = None) -> bool:
     """Add an agent id and/or a certificate serial to the revocation file (created if missing); False when each was
-    revoked there already (nothing added: a second line would only have to be removed twice to undo it)."""
+    revoked there already (nothing added: a second line would only have to be removed twice to undo it). ValueError
+    'cannot use PATH: why' when the file cannot be read as a coordinator reads it."""
     path = Path(path)
-    ids, serials = (parse_revocations(path.read_text(encoding="utf-8-sig"), str(path)) if path.is_file()
-                    else (set(), set()))
+    ids, serials = read_edited_file(path, parse_revocations) if path.is_file() else (set(), set())
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     added = False
     if agent_id and agent_id not in ids:
