@@ -29,13 +29,12 @@ simulation's members are simulations/client_app_population.py's; a deployed agen
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -56,30 +55,6 @@ MESSAGE_TTL = 43_200.0  # seconds: Flower's default time-to-live of a message
 WEIGHT_KEY = "num-examples"  # the MetricRecord entry that weighs an update, as Flower's strategies read it
 ERROR_CODE = 2  # flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION, as Flower's SuperNode replies
 
-
-
-class _FirstCallAlone:
-    """Until one call of a ClientApp in this process has returned, calls run one at a time: a first call imports
-    what its code uses lazily (torch.optim's first optimizer imports torch._dynamo), and two such imports at once
-    in two seats' threads raised SystemError ('AST constructor recursion depth mismatch': CPython 3.11's parser
-    state is shared by threads) in the app's train handler. Later calls run side by side."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._warm = False
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        if not self._warm:
-            with self._lock:
-                if not self._warm:
-                    yield
-                    self._warm = True  # only once a call returned: after one that raised, the next runs alone too
-                    return
-        yield
-
-
-_FIRST_CALL = _FirstCallAlone()
 
 class MemberStates:
     """Each member's ``Context.state`` RecordDict, kept across its rounds for at most ``capacity`` members: in a
@@ -299,8 +274,7 @@ class FlowerAppTrainer(HeldArrays):
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
         message = Message(content=content, metadata=_delivered(context, message_type, self._round))
         try:
-            with _FIRST_CALL():
-                reply = self.app(message, context)
+            reply = self.app(message, context)
         except Exception as exc:
             raise UpdateRefused(f"the ClientApp's {message_type} handler raised {type(exc).__name__}: "
                                 f"{_one_line(exc)}") from None
