@@ -26,7 +26,8 @@ from fedpar.datasets import load_dataset  # noqa: E402
 from fedpar.models.for_data import build_model_for_data  # noqa: E402
 from fedpar.datasets.clientdata import client_parts, local_split  # noqa: E402
 from fedpar.datasets.registry import full_dataset_name  # noqa: E402
-from fedpar.simulations.population import client_id, client_seed as seed_of  # noqa: E402
+from fedpar.client.local_loop import member_seed as seed_of  # noqa: E402
+from fedpar.simulations.population import client_id  # noqa: E402
 from fedpar.parallel.device import flush_denormals
 
 

@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.client.agent import Agent, FatalAgentError
     from fedpar.client.links import IdTaken
     from fedpar.client.flower_client import FlowerClientError
+    from fedpar.client.local_loop import member_seed
     from fedpar.client.task_trainer import TaskTrainer
     from fedpar.parallel.device import check_device_layout, flush_denormals, resolve_device
     from fedpar.parallel.stopping import exit_code, signal_name, stop_on_signals
@@ -148,8 +149,9 @@ def run(args: argparse.Namespace) -> int:
             trainer = flower_trainer(args, task.model())
         else:
             task = agent_task(args)
-            trainer = TaskTrainer(task, agent_data(args, task), seed=args.seed, device=device,
-                                  precision=args.precision)
+            # shuffled as the simulated member of this id and --seed is: `fedpar simulate` gives the same model
+            trainer = TaskTrainer(task, agent_data(args, task), seed=member_seed(args.seed, args.agent_id),
+                                  device=device, precision=args.precision)
     except (ConfigurationError, ValueError) as exc:  # a task's mistakes too (TaskError)
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -96,6 +97,12 @@ def sgd_step(params: list[nn.Parameter], lr: float) -> None:
     if with_grad:
         sgd(with_grad, [p.grad for p in with_grad], [None] * len(with_grad), weight_decay=0.0, momentum=0.0, lr=lr,
             dampening=0.0, nesterov=False, maximize=False)
+
+
+def member_seed(seed: int, agent_id: str) -> int:
+    """The data-order seed of member ``agent_id`` in a run seeded ``seed``: the one derivation a deployed agent
+    (``fedpar client --seed SEED --agent-id ID``) and a simulated member of the same id both train by."""
+    return seed + zlib.crc32(agent_id.encode()) % 10_000
 
 
 def shuffling_generator(seed: int, round_id: int) -> torch.Generator:

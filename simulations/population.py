@@ -30,6 +30,7 @@ import torch
 
 from fedpar.client.backoff import MAX_BACKOFF_SECONDS
 from fedpar.client.links import AgentConfig
+from fedpar.client.local_loop import member_seed
 from fedpar.client.runtime import ClientRuntime
 from fedpar.client.task_trainer import TaskTrainer
 from fedpar.datasets.clientdata import local_train_size
@@ -49,11 +50,6 @@ from fedpar.simulations.traces import (DAY_SECONDS, VIRTUAL_DAY, AvailabilityEve
 MEMBER_DATA_CACHE_BYTES = 64 << 20
 MAX_STEPS = 2**32 - 1  # TrainTask.max_steps is a uint32
 VIRTUAL_STEP_SECONDS = 0.01  # virtual clock without a trace: a local step's simulated seconds (FedScale's median)
-
-
-def client_seed(seed: int, agent_id: str) -> int:
-    """The shuffling seed of client ``agent_id`` in a run seeded ``seed`` (an agent's or a virtual client's)."""
-    return seed + zlib.crc32(agent_id.encode()) % 10_000
 
 
 def step_delays(clients: int, slow_fraction: float, slow_step_delay: float, seed: int,
@@ -251,7 +247,7 @@ class PopulationMembers:
     def assign(self, trainer, i: int, task: pb.TrainTask) -> None:
         """Train as member ``i``: its data, its seed, its slow device (under the virtual clock a slow device costs
         simulated time, not real pauses)."""
-        trainer.use_data(self.member_data(i), client_seed(self.seed, self.member_id(i)),
+        trainer.use_data(self.member_data(i), member_seed(self.seed, self.member_id(i)),
                          0.0 if task.virtual_clock else float(self.pop.step_delays[i]))
 
     def vanishes(self, i: int, round_id: int) -> bool:

@@ -21,8 +21,8 @@ from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol.codec import ModelLayout
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.client.agent import Agent, AgentConfig
+from fedpar.client.local_loop import member_seed
 from fedpar.client.task_trainer import TaskTrainer
-from fedpar.simulations.population import client_seed
 from fedpar.task import Partition
 from fedpar.tasks.zoo import classifier_for
 
@@ -40,7 +40,7 @@ def _run_real_agents(server, splits, k: int) -> list:
         agent_id = f"agent-{i}"
         torch.manual_seed(0)
         trainer = TaskTrainer(task, task.client_data(Partition(i, k, agent_id, "iid", 0, 0.0)),
-                              seed=client_seed(0, agent_id))
+                              seed=member_seed(0, agent_id))
         bots.append(Agent(AgentConfig(server=server.address, agent_id=agent_id, poll_seconds=1.0, give_up_after=60.0,
                                       insecure=True, seed=i), trainer))
     threads = [threading.Thread(target=bot.run, name=bot.config.agent_id) for bot in bots]
