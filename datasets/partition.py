@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedpar.datasets.rounding import round_shares
 from fedpar.wording import counted
 
 AUTO = "auto"  # natural where the data's examples have owners, else iid (datasets/clientdata.py)
@@ -51,8 +52,9 @@ def partition_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed
                         max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> list[np.ndarray]:
     """Label skew as in Hsu et al. (2019): each class is shared out in Dirichlet(alpha) proportions.
 
-    Smaller ``alpha`` means each client sees fewer classes. Draws are repeated until every client has at
-    least ``min_size`` examples, at most ``max_attempts`` times.
+    Smaller ``alpha`` means each client sees fewer classes. A client's count of a class, and its total, are the
+    floor or the ceiling of its drawn share of them. Draws are repeated until every client has at least
+    ``min_size`` examples, at most ``max_attempts`` times.
     """
     labels = _as_labels(labels)
     _check_clients(len(labels), num_clients)
@@ -67,14 +69,15 @@ def partition_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed
     by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     smallest = short = 0
     for draw in range(1, max_attempts + 1):
-        pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-        for members in by_class:
-            members = rng.permutation(members)
-            proportions = rng.dirichlet(np.full(num_clients, float(alpha)))
-            cuts = (np.cumsum(proportions)[:-1] * len(members)).astype(np.int64)
-            for client, chunk in enumerate(np.split(members, cuts)):
-                pieces[client].append(chunk)
-        parts = [np.sort(np.concatenate(p)).astype(np.int64) for p in pieces]
+        shuffled = [rng.permutation(members) for members in by_class]
+        proportions = rng.dirichlet(np.full(num_clients, float(alpha)), size=len(by_class))
+        # whole examples that follow the drawn shares, a client's total within one of its share (datasets/rounding.py)
+        counts = round_shares(proportions, np.array([len(m) for m in by_class]), rng)
+        owner = np.empty(len(labels), np.int64)
+        for members, dealt in zip(shuffled, counts):
+            owner[members] = np.repeat(np.arange(num_clients), dealt)
+        by_owner = np.argsort(owner, kind="stable")  # each client's examples together, in ascending order
+        parts = np.split(by_owner.astype(np.int64), np.cumsum(counts.sum(axis=0))[:-1])
         smallest = min(len(p) for p in parts)
         if smallest >= min_size:
             return parts

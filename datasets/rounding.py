@@ -1,0 +1,165 @@
+"""Whole-example counts for drawn shares: each class's examples dealt to clients in its drawn proportions, rounded so
+that a class is dealt out exactly, a client's count of a class is the floor or the ceiling of its share of it, and a
+client's total is the floor or the ceiling of its total share (controlled rounding of a matrix, as in Bacharach 1966).
+
+Rounding each class on its own (a floor of the cumulative shares, say) keeps the first and the rest, but its errors of
+up to one example a class add up over the classes: at a huge Dirichlet alpha two clients of 200 examples in 20 classes
+got 90 and 110 where the drawn shares said 100 each. Here the shares are exact integers in units of 1/SCALE of an
+example; pairs of classes first trade their fractions within clients until any two classes share at most one client
+where both are fractional (numpy over the clients), then dependent rounding (Gandhi et al. 2006: shifts along the
+cycles and paths of the fractional entries, at random in proportion, so an entry rounds up with the chance of its
+fraction) settles the few left.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SCALE = 1 << 24  # a share's resolution: 1/SCALE of an example (counts up to 2^39 a class fit in int64)
+
+
+def round_shares(proportions: np.ndarray, totals: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Integer counts (classes, clients) for ``proportions`` (classes, clients; each row non-negative, summing to
+    about 1) of ``totals`` examples a class: row c sums to ``totals[c]``, each count is the floor or the ceiling of
+    its share ``proportions[c, k] * totals[c]``, and each column sums to the floor or the ceiling of its shares."""
+    shares = _scaled(np.asarray(proportions, np.float64), np.asarray(totals, np.int64))
+    counts, fractions = np.divmod(shares, SCALE)
+    classes, clients = fractions.shape
+    if 2 < clients and classes < 2 * clients:  # pairs of classes cost less than rounding every class and client
+        _pair_rows(counts, fractions, rng)
+    _settle(counts, fractions, rng)
+    assert (counts.sum(axis=1) == totals).all() and (counts >= 0).all()
+    return counts
+
+
+def _scaled(proportions: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """Each row's shares in units of 1/SCALE example, as exact integers that sum to its total."""
+    cumulative = np.cumsum(proportions, axis=1)
+    whole = cumulative[:, -1:].copy()
+    whole[whole <= 0] = 1.0  # an empty row (no examples of that class) has nothing to share
+    ends = np.floor(cumulative / whole * (totals[:, None] * SCALE)).astype(np.int64)
+    ends[:, -1] = totals * SCALE  # the last cut is the whole class, exactly
+    return np.diff(ends, axis=1, prepend=0)
+
+
+def _carry(counts: np.ndarray, fractions: np.ndarray, rows: tuple[int, ...]) -> None:
+    """Move fractions that reached a whole example into ``counts``."""
+    for r in rows:
+        whole = fractions[r] >= SCALE
+        counts[r, whole] += 1
+        fractions[r, whole] -= SCALE
+
+
+def _pair_rows(counts: np.ndarray, fractions: np.ndarray, rng: np.random.Generator) -> None:
+    """Trade fractions between each pair of rows within the clients where both are fractional (one row's entry up,
+    the other's down, so neither a row's nor a client's sum moves) until at most one such client is left a pair."""
+    rows = len(fractions)
+    for i in range(rows):
+        for j in range(i + 1, rows):
+            both = np.flatnonzero((fractions[i] > 0) & (fractions[j] > 0))
+            if len(both) < 2:
+                continue
+            both = rng.permutation(both)
+            fi, fj = fractions[i, both], fractions[j, both]
+            low = np.maximum(-fi, fj - SCALE)  # row i down to 0, or row j up to a whole example
+            high = np.minimum(SCALE - fi, fj)  # row i up to a whole example, or row j down to 0
+            needed = -int(low.sum())  # raised this much from all-low, the trades sum to zero
+            gained = np.cumsum(high - low)
+            full = int(np.searchsorted(gained, needed, side="left"))  # those before it go all the way up
+            shift = low.copy()
+            shift[:full] = high[:full]
+            if full < len(both):
+                shift[full] = low[full] + needed - (int(gained[full - 1]) if full else 0)
+            fractions[i, both] = fi + shift
+            fractions[j, both] = fj - shift
+            _carry(counts, fractions, (i, j))
+
+
+def _settle(counts: np.ndarray, fractions: np.ndarray, rng: np.random.Generator) -> None:
+    """Round the fractions left: the clients where two or more rows are fractional by dependent rounding, each row's
+    other fractional clients (its own alone) as one edge of the row's whole remainder, dealt out after."""
+    fractional = fractions > 0
+    alone = fractional & (fractional.sum(axis=0) == 1)
+    edges: dict[tuple[int, int], int] = {}  # (row, node) -> value; node k >= 0 a client, -1 - r row r's alone ones
+    for r, k in zip(*np.nonzero(fractional & ~alone)):
+        edges[int(r), int(k)] = int(fractions[r, k])
+    remainders = [int(fractions[r, alone[r]].sum()) for r in range(len(fractions))]
+    for r, value in enumerate(remainders):
+        if value % SCALE:
+            edges[r, -1 - r] = value
+    _dependent_rounding(edges, rng)
+    for (r, k), value in edges.items():
+        if k >= 0:
+            counts[r, k] += value // SCALE
+        else:
+            remainders[r] = value
+    for r, value in enumerate(remainders):
+        _deal(counts[r], fractions[r], np.flatnonzero(alone[r]), value // SCALE, rng)
+
+
+def _deal(counts: np.ndarray, fractions: np.ndarray, clients: np.ndarray, ups: int, rng: np.random.Generator) -> None:
+    """Round up ``ups`` of ``clients`` (whose fractions sum within one example of ``ups``), systematically from a
+    random start: a client with a larger fraction is the likelier."""
+    if not len(clients):
+        return
+    ends = np.cumsum(fractions[clients])
+    total = int(ends[-1])
+    start = int(rng.integers(max(0, ups * SCALE - total), min(SCALE, (ups + 1) * SCALE - total)))
+    passed = (ends + start) // SCALE
+    up = np.diff(passed, prepend=start // SCALE) > 0
+    assert int(up.sum()) == ups
+    counts[clients[up]] += 1
+
+
+def _dependent_rounding(edges: dict[tuple[int, int], int], rng: np.random.Generator) -> None:
+    """Round every value of ``edges`` (a bipartite graph's: rows, nodes) to a whole multiple of SCALE, keeping each
+    row's sum and each node's sum, where it had two or more fractional edges, and moving any other node's sum to
+    its floor or ceiling; an edge rounds up with the chance of its fraction."""
+    live = {e for e, value in edges.items() if value % SCALE}
+    around: dict[tuple[str, int], set[tuple[int, int]]] = {}
+    for r, k in live:
+        around.setdefault(("row", r), set()).add((r, k))
+        around.setdefault(("node", k), set()).add((r, k))
+    while live:
+        walk = _cycle_or_path(next(iter(live)), around)
+        signs = [1 - 2 * (n % 2) for n in range(len(walk))]  # +, -, +, ... along it
+        rooms_up = [_room(edges[e], s) for e, s in zip(walk, signs)]
+        rooms_down = [_room(edges[e], -s) for e, s in zip(walk, signs)]
+        up, down = min(rooms_up), min(rooms_down)
+        step = up if rng.integers(up + down) < down else -down  # E[step] = 0: each edge keeps its expectation
+        for e, s in zip(walk, signs):
+            edges[e] += s * step
+            if not edges[e] % SCALE:
+                live.discard(e)
+                around[("row", e[0])].discard(e)
+                around[("node", e[1])].discard(e)
+
+
+def _room(value: int, sign: int) -> int:
+    """How far ``value`` may move in direction ``sign`` before it is a whole multiple of SCALE."""
+    below = value % SCALE
+    return SCALE - below if sign > 0 else below
+
+
+def _cycle_or_path(first: tuple[int, int],
+                   around: dict[tuple[str, int], set[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """Fractional edges, ``first`` among them, that form a cycle, or a path whose two ends are nodes with no other
+    fractional edge (a row never has exactly one: its fractions sum to whole examples)."""
+    ends = [("row", first[0]), ("node", first[1])]
+    walk = [first]
+    for _ in range(2):  # forward from one end until a vertex repeats (a cycle) or the walk is stuck, then the other
+        seen = {v: n for n, v in enumerate(ends)}
+        while True:
+            here = ends[-1]
+            onward = next((e for e in around[here] if e != walk[-1]), None)
+            if onward is None:
+                break
+            there = ("node", onward[1]) if here[0] == "row" else ("row", onward[0])
+            if there in seen:
+                return walk[seen[there]:] + [onward]
+            seen[there] = len(ends)
+            ends.append(there)
+            walk.append(onward)
+        ends.reverse()
+        walk.reverse()
+    return walk
