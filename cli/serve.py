@@ -233,6 +233,12 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     world = _world(args)
     if world > 1 and "WORLD_SIZE" not in os.environ:
+        from fedpar.server.ranks.memory import check_aggregator_ranks_fit
+        try:  # each rank builds the model again: a huge N is said here, not by the kernel's OOM killer
+            check_aggregator_ranks_fit(world, sum(w.size for w in plan.assembly.weights))
+        except ValueError as exc:
+            print(f"fedpar serve: {exc}", file=sys.stderr)
+            return 2
         return _spawn_ranks(args, world)
     if world > 1:  # one rank of a torchrun-launched group
         _torchrun_rank(args)

@@ -474,6 +474,8 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
             check_metrics_endpoint(args)
             check_rank_ports(args.host, args.port, args.aggregator_ranks, {p: o for p, o in (
                 (args.control_port, "--control-port"), (args.metrics_port, "--metrics-port")) if p})
+            from fedpar.server.ranks.memory import check_aggregator_ranks_fit
+            check_aggregator_ranks_fit(args.aggregator_ranks)  # each run's model is built as it starts: not known
         lock = None if getattr(args, "state_lock_held", False) else _lock(state)  # held by the ranks' launcher
         revocations = server_security(args).admission.revocations  # the control API's too: operators are revoked
         files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)

@@ -34,7 +34,7 @@ def preflight(config: TrainConfig, spawned: int = 0) -> dict:
     if pc.tp > 1 or pc.pp > 1:
         check_model_layout(model, config.model, pc)
     if spawned:
-        check_ranks_fit(config, spawned, data, sum(p.numel() for p in model.parameters()))
+        check_train_ranks_fit(config, spawned, sum(p.numel() for p in model.parameters()), data_bytes(data))
     examples = len(data.train_inputs)
     if config.batch_size > examples:  # each step would repeat the set to fill its batch (10^12: a MemoryError)
         raise ValueError(f"--batch-size {config.batch_size} is more than the {counted(examples, 'training example')} "
@@ -47,18 +47,32 @@ RANK_BYTES = 100 << 20
 STATE_BYTES_PER_PARAMETER = 16  # fp32 weights, their gradients and an optimizer's two moments
 
 
-def check_ranks_fit(config: TrainConfig, ranks: int, data: TrainData, parameters: int) -> None:
-    """ValueError, one line before they start, when the ``ranks`` processes --nproc asks for here (1: this one) need
-    more memory than this machine has available: each holds its interpreter, the whole data (``data``) and its
-    shard of the model's ``parameters`` with their gradients and optimizer state (on the CPU)."""
+def check_ranks_fit(ranks: int, what: str, advice: str, parameters: int = 0, *, rank_bytes: int = RANK_BYTES,
+                    parameter_bytes: int = STATE_BYTES_PER_PARAMETER, data: int = 0) -> None:
+    """ValueError, one line before they start, when the ``ranks`` processes to be started on this machine (``what``
+    they are for; ``advice``: what to do instead) need more memory than it has available: each holds its process
+    (``rank_bytes``), ``data`` bytes of data and ``parameter_bytes`` for each of the ``parameters`` of its share of
+    a model."""
+    check_fits(ranks * (rank_bytes + data + parameter_bytes * parameters), what, advice)
+
+
+def check_train_ranks_fit(config: TrainConfig, ranks: int, parameters: int, data: int = 0,
+                          model: str = "model (--model-arg)") -> None:
+    """:func:`check_ranks_fit` for the ``ranks`` processes --nproc asks for here (1: this one) of ``config``'s
+    layout: each holds the whole data (``data`` bytes) and its shard of the ``model``'s ``parameters`` with their
+    gradients and optimizer state (on the CPU)."""
     pc = config.parallel
-    data_bytes = sum(t.nbytes for t in (data.train_inputs, data.train_targets, data.eval_inputs, data.eval_targets))
     # on a GPU the model's state is the device's, not this machine's memory
-    state_bytes = STATE_BYTES_PER_PARAMETER * parameters // (pc.fsdp * pc.tp * pc.pp) if pc.device_type == "cpu" else 0
+    shard = parameters // (pc.fsdp * pc.tp * pc.pp) if pc.device_type == "cpu" else 0
     if ranks == 1:
         what = "training in this process"
-        advice = "give a smaller model (--model-arg), or shard it over machines with torchrun and --fsdp"
+        advice = f"give a smaller {model}, or shard it over machines with torchrun and --fsdp"
     else:
         what = f"training on {ranks} ranks here (--nproc {ranks})"
         advice = "give a smaller --nproc or model, or spread the ranks over machines with torchrun"
-    check_fits(ranks * (RANK_BYTES + data_bytes + state_bytes), what, advice)
+    check_ranks_fit(ranks, what, advice, shard, data=data)
+
+
+def data_bytes(data: TrainData) -> int:
+    """The bytes of ``data``'s training and evaluation tensors, which every rank loads."""
+    return sum(t.nbytes for t in (data.train_inputs, data.train_targets, data.eval_inputs, data.eval_targets))
