@@ -400,7 +400,8 @@ def _train_task(args: argparse.Namespace, world: int, held: contextlib.ExitStack
     """``fedpar train --task``: the task trained centrally (cli/train_task.py), in this process or on ``world``
     engine ranks (DDP, FSDP2, or TP with the task's plan), its model kept as OUT/global.safetensors and global.json
     (``round``: the epochs trained)."""
-    from fedpar.cli.train_task import TaskCheckpoints, check_data_parallel, check_task_degrees, check_zoo_loop_unused
+    from fedpar.cli.train_task import (TaskCheckpoints, check_data_parallel, check_task_degrees, check_task_ranks_fit,
+                                       check_zoo_loop_unused)
     from fedpar.parallel.device import check_device_layout
 
     under_launcher = "WORLD_SIZE" in os.environ
@@ -412,6 +413,8 @@ def _train_task(args: argparse.Namespace, world: int, held: contextlib.ExitStack
         cfg = given.resolved(world, check_device_layout(args.device, local_ranks))
         check_zoo_loop_unused(args)
         check_data_parallel(task, cfg)
+        if not under_launcher:  # ranks torchrun started: no memory check, as for the zoo's models
+            check_task_ranks_fit(task, cfg, world)
         latest = TaskCheckpoints(cfg, task).latest()  # one that cannot be resumed: said here, not by every rank
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # the task's mistakes too (TaskError)
         print(f"fedpar train: {exc}", file=sys.stderr)

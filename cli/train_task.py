@@ -336,6 +336,21 @@ def check_data_parallel(task: Task, cfg: TrainConfig) -> None:
     check_engine_task(task, cfg.parallel, cfg.parallel.world_size)  # the batch's split: checked as it was resolved
 
 
+def check_task_ranks_fit(task: Task, cfg: TrainConfig, ranks: int) -> None:
+    """ValueError, one line, when the ``ranks`` processes started here (1: this one) cannot hold their shards of
+    ``task``'s model with its gradients and optimizer state (parallel/preflight.py, as for the zoo's models). The
+    model is built on the meta device (nothing allocated); one whose factory cannot build there is not checked, and
+    the task's data is not counted (each rank loads it with the task's own code)."""
+    from fedpar.parallel.preflight import check_train_ranks_fit
+
+    try:
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in task.built_model().parameters())
+    except Exception:  # said as the task builds it for real, if it is wrong there too
+        return
+    check_train_ranks_fit(cfg, ranks, parameters, model="model (the task's model())")
+
+
 def train_task_rank(config: TrainConfig, task_ref: str, task_options: dict[str, Any], timeout_seconds: float) -> None:
     """One rank of ``fedpar train --task --nproc N`` (spawned, or launched by torchrun): join the group, train the
     task on the engine (``config``: as the launcher resolved it, its layout used as is), and on rank 0 write the
