@@ -1,8 +1,10 @@
-"""Stopping a run by signal: SIGINT (Ctrl-C) and SIGTERM (what systemd, Docker or a script sends) both ask it to stop.
+"""Stopping a run by signal: SIGINT (Ctrl-C), SIGTERM (what systemd, Docker or a script sends) and SIGHUP (its terminal
+closed, or `kill -HUP`) all ask it to stop.
 
 Inside :func:`stop_on_signals` the first of them raises :class:`StopRequested` in the main thread. It is a
 KeyboardInterrupt, so whatever stops a run cleanly on Ctrl-C (ending the rounds, writing the summary, the model and
-the last checkpoint) does the same for SIGTERM; the process then exits 128 + the signal's number (130, 143). The
+the last checkpoint) does the same for SIGTERM and SIGHUP; the process then exits 128 + the signal's number (130,
+143, 129). A SIGHUP ignored from birth (``nohup``) stays ignored. The
 same signal again within :data:`REPEAT_SECONDS` is the same request (``timeout -s INT`` and ``kill -INT -PGID``
 reach a process once by its id and once by its group). A later second signal ends the process at once: what it was
 writing is lost, never torn, since every output is replaced atomically (protocol/atomicfile.py) and a checkpoint is
@@ -30,9 +32,13 @@ import time
 from collections.abc import Iterator
 from typing import Callable
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP as SIGTERM: a closed terminal (or `kill -HUP`) ended a run at once, by the default action, without a word
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# ignored from birth, these stay ignored: a rank whose launcher stops it (SIGINT, SIGHUP: a terminal's Ctrl-C and
+# hangup reach its whole process group), or a command started under nohup (SIGHUP)
+KEPT_IGNORED = {signal.SIGINT, signal.SIGHUP}
 DROPPED_RETRY_SECONDS = 0.05  # a dropped StopRequested is raised again after this (dropped_stop)
-HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # blocked while processes their parent stops start (interrupts_held)
+HELD_SIGNALS = set(STOP_SIGNALS)  # blocked while processes their parent stops start (interrupts_held)
 REPEAT_SECONDS = 1.0  # a person who means "now" presses Ctrl-C again later than a signal delivered twice arrives
 
 
@@ -98,11 +104,11 @@ class held_stops:
 
 @contextlib.contextmanager
 def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | None = None) -> Iterator[Received]:
-    """Inside the block the first SIGINT or SIGTERM raises StopRequested in the main thread (and is noted in the
-    Received it yields); the same one within REPEAT_SECONDS is ignored; a later one calls ``on_second()`` and ends
+    """Inside the block the first SIGINT, SIGTERM or SIGHUP raises StopRequested in the main thread (and is noted in
+    the Received it yields); the same one within REPEAT_SECONDS is ignored; a later one calls ``on_second()`` and ends
     the process at once with 128 + its number, or, without ``second_exits``, is ignored (a rank whose launcher
-    escalates). A SIGINT ignored from birth (a rank of a launcher that stops it) stays ignored. Off the main thread
-    (where Python cannot take signals) the block runs as it is."""
+    escalates). A SIGINT or SIGHUP ignored from birth (a rank of a launcher that stops it; nohup) stays ignored. Off
+    the main thread (where Python cannot take signals) the block runs as it is."""
     global _active
     if threading.current_thread() is not threading.main_thread():
         yield Received()
@@ -152,7 +158,7 @@ def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | N
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     previous_hook = sys.unraisablehook
     for s in STOP_SIGNALS:
-        if not (s == signal.SIGINT and previous[s] == signal.SIG_IGN):
+        if not (s in KEPT_IGNORED and previous[s] == signal.SIG_IGN):
             signal.signal(s, handle)
     sys.unraisablehook = dropped_stop
     try:
@@ -214,14 +220,15 @@ def wait_awake(event: threading.Event, timeout: float | None = None, stops: bool
 
 @contextlib.contextmanager
 def interrupts_held(start_method: str = "spawn") -> Iterator[Callable[[], None]]:
-    """Start processes inside the block that their parent stops: they are born with SIGINT and SIGTERM blocked and
-    take them as :func:`parent_stops_this` sets, first thing: SIGINT ignored (Ctrl-C reaches a terminal's whole
-    process group), so that it prints no traceback of theirs, and SIGTERM as by default. A forked child held its
+    """Start processes inside the block that their parent stops: they are born with SIGINT, SIGTERM and SIGHUP
+    blocked and take them as :func:`parent_stops_this` sets, first thing: SIGINT and SIGHUP ignored (Ctrl-C and a
+    closed terminal reach a terminal's whole process group), so that they print no traceback of theirs, and SIGTERM as
+    by default. A forked child held its
     parent's handlers until then, and a SIGTERM its parent sent before the child ran that far (not yet given the CPU
     on a loaded machine) raised the parent's StopRequested in the child, where torch's worker swallows it: the
     child went on, or ended without a word, and its parent took it to have said what completed. A SIGINT that comes
     to this process meanwhile, to whichever thread, is noted and raised at ``release()`` or the block's end, to the
-    handler in place then (a SIGTERM waits, blocked, until then). ``start_method``: how the block starts processes.
+    handler in place then (a SIGTERM or SIGHUP waits, blocked, until then). ``start_method``: how the block starts processes.
     Off the main thread the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield lambda: None
@@ -258,10 +265,11 @@ def interrupts_held(start_method: str = "spawn") -> Iterator[Callable[[], None]]
 
 
 def parent_stops_this() -> None:
-    """In a process started inside :func:`interrupts_held`, first thing: SIGINT is ignored from now on (its parent
-    stops it), SIGTERM ends it as by default (a forked child had its parent's handler), and neither is blocked any
-    longer (a SIGINT that came meanwhile is dropped; a SIGTERM ends it now)."""
+    """In a process started inside :func:`interrupts_held`, first thing: SIGINT and SIGHUP are ignored from now on
+    (its parent stops it), SIGTERM ends it as by default (a forked child had its parent's handler), and none is
+    blocked any longer (a SIGINT or SIGHUP that came meanwhile is dropped; a SIGTERM ends it now)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
