@@ -470,7 +470,8 @@ class TaskReference:
              "(see docs/tutorials/your-own-task.md); it replaces --model and --dataset", resume=DEFINES)
     task_options: dict = setting(default_factory=dict, flag="task-option", metavar="KEY=VALUE", group="data",
                                  help="an option of --task, given to its factory (repeatable), typed as the factory "
-                                      "declares it", resume=DEFINES)
+                                      "declares it; none (any case) gives None to an option declared X | None",
+                                 resume=DEFINES)
 
 
 @dataclass

@@ -3,7 +3,8 @@ with the ``--task-option KEY=VALUE`` pairs.
 
 The factory's options are declared once, torchtitan style, as a dataclass: ``def task(options: MyOptions) -> Task``
 gets a ``MyOptions`` built from the pairs, each value typed as its field (bool, int, float, str, Path, a Literal or
-an Enum of choices, or ``X | None`` of those; another declared type takes only a TOML value of a --config file). A
+an Enum of choices, or ``X | None`` of those, where ``none`` gives None; another declared type takes only a TOML
+value of a --config file). A
 factory with plain keyword parameters gets them typed by annotation (or by default value), one with ``**options``
 any other option as given. The reference may also name a Task itself (then it takes no options). Mistakes are
 one-line :class:`TaskError`\\ s.
@@ -100,31 +101,35 @@ def factory_arguments(ref: str, factory: Any, options: dict[str, Any]) -> tuple[
         except (TypeError, ValueError) as exc:  # the dataclass's own checks (__post_init__)
             raise TaskError(f"--task {ref}: {exc}") from None
     named = {name: p.default for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    accepted = {n: (_text_type(hints.get(n), d), d) for n, d in named.items()}
+    accepted = {n: (_text_type(hints.get(n), d), d, _allows_none(hints.get(n))) for n, d in named.items()}
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):  # **options: any other option, as given
-        accepted.update({key.strip().replace("-", "_"): (None, None) for key in options
+        accepted.update({key.strip().replace("-", "_"): (None, None, False) for key in options
                          if key.strip().replace("-", "_") not in accepted})
     typed = _typed_options(ref, options, accepted)
     return typed, typed
 
 
-def _dataclass_options(cls: type) -> dict[str, tuple[type | None, Any]]:
-    """The options dataclass ``cls`` declares: field name -> (type a text value becomes, default)."""
+def _dataclass_options(cls: type) -> dict[str, tuple[type | None, Any, bool]]:
+    """The options dataclass ``cls`` declares: field name -> (type a text value becomes, default, whether it may be
+    None)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: (_text_type(hints.get(f.name), f.default), _default(f)) for f in dataclasses.fields(cls) if f.init}
+    return {f.name: (_text_type(hints.get(f.name), f.default), _default(f), _allows_none(hints.get(f.name)))
+            for f in dataclasses.fields(cls) if f.init}
 
 
-def _typed_options(ref: str, options: dict[str, Any], accepted: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
-    """``options`` typed by ``accepted`` (name -> (type, default; inspect.Parameter.empty when required)); TaskError
-    for an unknown option or a missing required one, naming the valid ones."""
+def _typed_options(ref: str, options: dict[str, Any], accepted: dict[str, tuple[Any, Any, bool]]) -> dict[str, Any]:
+    """``options`` typed by ``accepted`` (name -> (type, default; inspect.Parameter.empty when required, whether it
+    may be None)); TaskError for an unknown option or a missing required one, naming the valid ones."""
     valid = _describe(accepted)
     values = {}
     for key, value in options.items():
         name = key.strip().replace("-", "_")
         if name not in accepted:
             raise TaskError(f"--task {ref} has no option {key!r}; {valid}")
-        values[name] = _typed(ref, name, accepted[name][0], value)
-    missing = [n for n, (_, default) in accepted.items() if default is inspect.Parameter.empty and n not in values]
+        kind, _, nullable = accepted[name]
+        none = _means_none(value) and str(value).strip() not in (_choices(kind) or {})  # a choice 'none' is itself
+        values[name] = None if nullable and none else _typed(ref, name, kind, value, none)
+    missing = [n for n, (_, default, _) in accepted.items() if default is inspect.Parameter.empty and n not in values]
     if missing:
         raise TaskError(f"--task {ref} needs --task-option {missing[0]}=...; {valid}")
     return values
@@ -147,6 +152,17 @@ def _text_type(hint: Any, default: Any) -> Any:
     if hint is None and default is not None and type(default) in SIMPLE_TYPES:
         return type(default)
     return None if hint in (None, Any, object) else hint
+
+
+def _allows_none(hint: Any) -> bool:
+    """Whether an option declared ``hint`` may be None (``X | None``, ``Optional[X]``): ``none`` then gives None."""
+    return (isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union) and \
+        type(None) in typing.get_args(hint)
+
+
+def _means_none(value: Any) -> bool:
+    """Whether a given value says None: ``none`` (any case) as text, or a null kept in global.json."""
+    return value is None or (isinstance(value, str) and value.strip().lower() == "none")
 
 
 def _anchored(value: Any) -> Any:
@@ -173,15 +189,27 @@ def _recorded(value: Any) -> Any:
     return str(value)
 
 
-def _typed(ref: str, name: str, kind: Any, value: Any) -> Any:
+def _choices(kind: Any) -> dict[str, Any] | None:
+    """A Literal's or an Enum's choices by the text that names each (an Enum member by value or name); else None."""
+    if typing.get_origin(kind) is typing.Literal:
+        return {str(c): c for c in typing.get_args(kind)}
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return {**{str(m.value): m for m in kind}, **{m.name: m for m in kind}}
+    return None
+
+
+def _typed(ref: str, name: str, kind: Any, value: Any, none: bool = False) -> Any:
+    """``value`` as option ``name``'s ``kind``; ``none``: it says None, which this option's type does not allow."""
     where = f"--task {ref}: option {name!r}"
+    if none and kind not in (None, str):  # said before its type's own complaint ('must be an integer')
+        raise TaskError(f"{where} cannot be none: it is declared {_type_name(kind)}, not {_type_name(kind)} | None; "
+                        "give a value, or leave the option out for its default")
     if kind is None:
         return value
     if kind is Path:
         return Path(str(value))
-    if typing.get_origin(kind) is typing.Literal or (isinstance(kind, type) and issubclass(kind, enum.Enum)):
-        choices = {str(c): c for c in typing.get_args(kind)} if typing.get_origin(kind) is typing.Literal else \
-            {**{str(m.value): m for m in kind}, **{m.name: m for m in kind}}
+    choices = _choices(kind)
+    if choices is not None:
         if str(value).strip() not in choices:
             raise TaskError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
         return choices[str(value).strip()]
@@ -203,7 +231,7 @@ def _type_name(kind: Any) -> str:
 def _describe(options: dict[str, tuple[Any, Any]]) -> str:
     if not options:
         return "it takes no options"
-    parts = [f"{name} ({_type_name(kind)}"
+    parts = [f"{name} ({_type_name(kind)}{' or none' if nullable else ''}"
              f"{'' if default is inspect.Parameter.empty else f', default {default!r}'})"
-             for name, (kind, default) in options.items()]
+             for name, (kind, default, nullable) in options.items()]
     return "its options: " + "; ".join(parts)
