@@ -120,14 +120,18 @@ def write_interrupted_summary(out_dir: Path, model: str, dataset: str, world_siz
                               config: dict[str, Any], kept_step: int | None = None) -> dict[str, Any]:
     """summary.json (and metrics.csv, once a step was logged) of a run stopped by Ctrl-C, from what its metrics.jsonl
     holds: the steps (those of the model kept, ``kept_step``, else the last logged), the last evaluation and train
-    loss; ``"interrupted": true``. Returns the summary."""
+    loss, each with the step it was taken at (``evaluated_at_step``, ``train_loss_at_step``: earlier than ``steps``
+    when the stop came between two evaluations or logged steps; None when there was none); ``"interrupted": true``.
+    Returns the summary."""
     records = read_records(out_dir / "metrics.jsonl")
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     last_eval = {k: v for k, v in evals[-1].items() if k not in ("kind", "step", "epoch")} if evals else {}
     summary = {"model": model, "dataset": dataset, "world_size": world_size, "interrupted": True,
-               "steps": kept_step if kept_step is not None else train[-1]["step"] if train else 0, **last_eval,
-               "final_train_loss": train[-1]["loss"] if train else None, "wall_seconds": wall_seconds,
+               "steps": kept_step if kept_step is not None else train[-1]["step"] if train else 0,
+               "evaluated_at_step": evals[-1].get("step") if evals else None, **last_eval,
+               "final_train_loss": train[-1]["loss"] if train else None,
+               "train_loss_at_step": train[-1]["step"] if train else None, "wall_seconds": wall_seconds,
                "config": config}
     out_dir.mkdir(parents=True, exist_ok=True)
     if records:  # else a table of no columns: one empty line, which CSV readers refuse

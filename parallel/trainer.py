@@ -290,7 +290,7 @@ class Trainer:
         global_batch = cfg.batch_size
         base_lr = cfg.scaled_lr()
         train_seconds, run_samples, last_eval_step = 0.0, 0, -1
-        last_loss, evals = float("nan"), {}
+        last_loss, loss_step, evals = float("nan"), None, {}
         finished = bool(resumed_from) and c["step"] >= total  # a finished run resumed, or a lower --max-steps
         if finished:
             self._log(f"the checkpoint is at step {c['step']}, already at or after the run's last step {total}: "
@@ -303,7 +303,8 @@ class Trainer:
                     self.progress.close()
                 self._log(f"its outputs in {self.out} are left as they are")
                 return kept
-            last_loss = next((r["loss"] for r in reversed(log.records()) if r.get("kind") == "train"), last_loss)
+            last_loss, loss_step = next(((r["loss"], r["step"]) for r in reversed(log.records())
+                                         if r.get("kind") == "train"), (last_loss, loss_step))
         else:
             self._log(f"training {cfg.model} on {cfg.dataset}: world {self.info.world_size} "
                       f"(dp {cfg.parallel.dp}, fsdp {cfg.parallel.fsdp}, tp {cfg.parallel.tp}, pp {cfg.parallel.pp}), "
@@ -332,7 +333,7 @@ class Trainer:
                     self.stepped = True
                 if c["step"] % cfg.log_every == 0 or c["step"] == total:
                     loss_sum, reporters = self._sum_over_reporters([float(interval_loss) / loss_steps, 1.0])
-                    last_loss = loss_sum / reporters
+                    last_loss, loss_step = loss_sum / reporters, c["step"]
                     if not math.isfinite(last_loss):  # the same on every rank: summed over them
                         raise TrainingDiverged(self._diverged(last_loss, c["step"]))
                     elapsed = max(time.perf_counter() - interval_start, 1e-9)
@@ -372,7 +373,7 @@ class Trainer:
             self.save()
         if self.progress is not None:
             self.progress.close()
-        return self._finish(log, evals, last_loss, wall_start, train_seconds, run_samples, resumed_from)
+        return self._finish(log, evals, (last_loss, loss_step), wall_start, train_seconds, run_samples, resumed_from)
 
     def _show_step(self, total: int, step_loss: torch.Tensor, last_loss: float) -> None:
         """Rank 0 shows the step just done with its loss (on its data shard; on a GPU the newest one that arrived), or
@@ -405,8 +406,10 @@ class Trainer:
         start = time.perf_counter()
         return work(), time.perf_counter() - start
 
-    def _finish(self, log: StepMetricsLog, evals: dict[str, float], last_loss: float, wall_start: float,
-                train_seconds: float, run_samples: int, resumed_from: int) -> dict[str, Any]:
+    def _finish(self, log: StepMetricsLog, evals: dict[str, float], last_loss: tuple[float, int | None],
+                wall_start: float, train_seconds: float, run_samples: int, resumed_from: int) -> dict[str, Any]:
+        """Write summary.json, metrics.csv, the final model and the loss curve; the summary. ``last_loss``: the last
+        logged train loss and its step."""
         peak, source = peak_memory_bytes(self.info.device)
         peaks = gather_ints(peak, self.info.device)
         states = gather_ints(model_state_bytes(self.model.parts, self.optimizers), self.info.device)
@@ -419,8 +422,11 @@ class Trainer:
             "precision": self.precision,
             "steps": self.counters["step"],
             "resumed_from_step": resumed_from,
+            # an interrupted run's summary says the same of its last evaluation and logged step, earlier than "steps"
+            "evaluated_at_step": self.counters["step"],  # evals: at the last step (evaluated once more if need be)
             **evals,
-            "final_train_loss": last_loss,
+            "final_train_loss": last_loss[0],
+            "train_loss_at_step": last_loss[1],  # the last step's, unless a finished run resumed at an unlogged one
             "wall_seconds": time.perf_counter() - wall_start,
             "train_seconds": train_seconds,
             "samples_per_second": run_samples / train_seconds if train_seconds else 0.0,
