@@ -233,16 +233,18 @@ def interrupts_held(start_method: str = "spawn") -> Iterator[Callable[[], None]]
     if threading.current_thread() is not threading.main_thread():
         yield lambda: None
         return
-    if start_method != "fork":
-        # multiprocessing starts its resource tracker at the first spawned process and then unblocks SIGINT whatever
-        # the mask was (resource_tracker.ensure_running): started first, the block's spawns leave the mask alone
-        from multiprocessing import resource_tracker
+    with _hangups_blocked():
+        if start_method != "fork":
+            # multiprocessing starts its resource tracker at the first spawned process and then unblocks SIGINT
+            # whatever the mask was (resource_tracker.ensure_running): started first, the block's spawns leave the
+            # mask alone
+            from multiprocessing import resource_tracker
 
-        resource_tracker.ensure_running()
-    if start_method == "forkserver":  # the server, started by the block's first child, would keep the mask for ever
-        from multiprocessing import forkserver
+            resource_tracker.ensure_running()
+        if start_method == "forkserver":  # the server, started by the block's first child, would keep the mask
+            from multiprocessing import forkserver
 
-        forkserver.ensure_running()
+            forkserver.ensure_running()
     came: list[int] = []
     # noted, not ignored: the kernel hands a process's signal to any thread that does not block it (a store's, a
     # gRPC poller's), and one ignored there was lost
@@ -262,6 +264,20 @@ def interrupts_held(start_method: str = "spawn") -> Iterator[Callable[[], None]]
         yield release
     finally:
         release()
+
+
+@contextlib.contextmanager
+def _hangups_blocked() -> Iterator[None]:
+    """Processes started inside the block keep SIGHUP blocked for good: multiprocessing's resource tracker and fork
+    server, which ignore Ctrl-C, since a closed terminal's SIGHUP reaches its whole process group too. Ended by it,
+    the fork server took its children's exits with it (each read as 255: rank 0 'gone' while it wrote what its run
+    completed), and the tracker was started again with a warning. One that comes here meanwhile waits until the end."""
+    was = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        yield
+    finally:
+        if signal.SIGHUP not in was:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
 
 
 def parent_stops_this() -> None:

@@ -144,3 +144,39 @@ def test_sighup_stops_train_which_writes_its_summary_and_model(tmp_path):
     kept = json.loads((out / "global.json").read_text())
     assert summary["interrupted"] is True and kept["interrupted"] is True
     assert log.count(f"fedpar train: interrupted after {summary['steps']} steps; wrote {out}/metrics.jsonl") == 1, log
+
+
+HELPERS = """
+import os, sys
+from pathlib import Path
+from fedpar.parallel.stopping import interrupts_held
+
+with interrupts_held("forkserver"):  # starts multiprocessing's resource tracker and fork server, as a launch does
+    pass
+me = str(os.getpid())
+print(" ".join(p.name for p in Path("/proc").iterdir() if p.name.isdigit() and
+               (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == me), flush=True)
+sys.stdin.read()
+"""
+
+
+def _state(pid: str) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_resource_tracker_and_fork_server_outlive_a_closed_terminals_sighup():
+    """They ignore Ctrl-C, which reaches a terminal's whole process group; so does its SIGHUP, which ended them: the
+    fork server's children's exits were then read as 255, and the tracker was started again with a warning."""
+    proc = subprocess.Popen([sys.executable, "-c", HELPERS], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=ENV)
+    try:
+        helpers = proc.stdout.readline().split()
+        assert len(helpers) == 2, helpers
+        for pid in helpers:
+            os.kill(int(pid), signal.SIGHUP)
+        time.sleep(1.0)
+        states = [_state(pid) for pid in helpers]
+        assert "Z" not in states, states  # a zombie: ended by the signal
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
