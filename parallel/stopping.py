@@ -220,16 +220,15 @@ def wait_awake(event: threading.Event, timeout: float | None = None, stops: bool
 
 @contextlib.contextmanager
 def interrupts_held(start_method: str = "spawn") -> Iterator[Callable[[], None]]:
-    """Start processes inside the block that their parent stops: they are born with SIGINT, SIGTERM and SIGHUP
-    blocked and take them as :func:`parent_stops_this` sets, first thing: SIGINT and SIGHUP ignored (Ctrl-C and a
-    closed terminal reach a terminal's whole process group), so that they print no traceback of theirs, and SIGTERM as
-    by default. A forked child held its
-    parent's handlers until then, and a SIGTERM its parent sent before the child ran that far (not yet given the CPU
-    on a loaded machine) raised the parent's StopRequested in the child, where torch's worker swallows it: the
-    child went on, or ended without a word, and its parent took it to have said what completed. A SIGINT that comes
-    to this process meanwhile, to whichever thread, is noted and raised at ``release()`` or the block's end, to the
-    handler in place then (a SIGTERM or SIGHUP waits, blocked, until then). ``start_method``: how the block starts processes.
-    Off the main thread the block runs as it is."""
+    """Start processes inside the block that their parent stops: they are born with SIGINT, SIGTERM and SIGHUP blocked
+    and take them as :func:`parent_stops_this` sets, first thing: SIGINT and SIGHUP ignored (Ctrl-C and a closed
+    terminal reach a terminal's whole process group), so that they print no traceback of theirs, and SIGTERM as by
+    default. A forked child held its parent's handlers until then, and a SIGTERM its parent sent before the child ran
+    that far (not yet given the CPU on a loaded machine) raised the parent's StopRequested in the child, where torch's
+    worker swallows it: the child went on, or ended without a word, and its parent took it to have said what completed.
+    A SIGINT that comes to this process meanwhile, to whichever thread, is noted and raised at ``release()`` or the
+    block's end, to the handler in place then (a SIGTERM or SIGHUP waits, blocked, until then). ``start_method``: how
+    the block starts processes. Off the main thread the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield lambda: None
         return
