@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from fedpar.server.checkpoint import load_checkpoint
+from support.processes import port_in_file
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMBERS = ROOT / "tests" / "support" / "synthetic_members.py"
@@ -52,11 +53,7 @@ def _start(tmp: Path, port: int) -> subprocess.Popen:
 
 
 def _port(tmp: Path, proc: subprocess.Popen) -> int:
-    end = time.monotonic() + 60
-    while not (tmp / "port").exists():
-        assert proc.poll() is None and time.monotonic() < end, (tmp / "coordinator.log").read_text()[-3000:]
-        time.sleep(0.02)
-    return int((tmp / "port").read_text())
+    return port_in_file(tmp / "port", proc, tmp / "coordinator.log")
 
 
 @pytest.mark.timeout(240)

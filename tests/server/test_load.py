@@ -11,10 +11,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from support.processes import port_in_file
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMBERS = ROOT / "tests" / "support" / "synthetic_members.py"
@@ -33,11 +33,7 @@ def _run(tmp: Path, agents: int, procs: int = 2) -> dict:
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "coordinator.log", "w"))
     clients = []
     try:
-        end = time.monotonic() + 30
-        while not (tmp / "port").exists():
-            assert coordinator.poll() is None and time.monotonic() < end, (tmp / "coordinator.log").read_text()
-            time.sleep(0.05)
-        address = f"127.0.0.1:{int((tmp / 'port').read_text())}"
+        address = f"127.0.0.1:{port_in_file(tmp / 'port', coordinator, tmp / 'coordinator.log', 30)}"
         share = agents // procs
         clients = [subprocess.Popen([sys.executable, str(MEMBERS), "--server", address, "--count", str(share),
                                      "--params", str(PARAMS), "--first", str(i * share), "--poll", "5"],

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.run_control import RunControlServer
 from fedpar.server.run_store import MissingFolder, RunStore, StoreError, check_state_folder
 from support.in_process import main_here
-from support.processes import stop_processes
+from support.processes import port_in_file, stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,11 +47,7 @@ def service(tmp_path_factory):
                                 "--control-port-file", str(tmp / "cport")], cwd=ROOT, stdout=log,
                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        end = time.monotonic() + 60
-        while not (tmp / "cport").exists() and process.poll() is None and time.monotonic() < end:
-            time.sleep(0.1)
-        assert process.poll() is None and (tmp / "cport").exists(), (tmp / "serve.log").read_text()
-        control = f"127.0.0.1:{int((tmp / 'cport').read_text())}"
+        control = f"127.0.0.1:{port_in_file(tmp / 'cport', process, tmp / 'serve.log')}"
 
         def submit(text: str) -> tuple[int, str, str]:
             path = tmp / "run.toml"

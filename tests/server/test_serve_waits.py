@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from support.digit_agents import start_digit_agents
+from support.processes import port_in_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,11 +30,9 @@ def test_serve_says_it_waits_for_agents_once_one_is_gone_mid_run(tmp_path):
     metrics = tmp_path / "out" / "metrics.jsonl"
     try:
         end = time.monotonic() + 60
-        while not (tmp_path / "port").exists() or not (tmp_path / "port").read_text().strip():
-            assert serve.poll() is None and time.monotonic() < end, err.read_text()
-            time.sleep(0.05)
+        port = port_in_file(tmp_path / "port", serve, err)
         torch.set_num_threads(1)
-        agents, _, _ = start_digit_agents(int((tmp_path / "port").read_text()), ["a0", "a1"])
+        agents, _, _ = start_digit_agents(port, ["a0", "a1"])
         while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
             assert serve.poll() is None and time.monotonic() < end, err.read_text()
             time.sleep(0.05)

@@ -21,6 +21,7 @@ from fedpar.server.checkpoint import load_checkpoint
 from fedpar.server.final_model import load_final_model
 from support.devices import RANKS_ON_CPU
 from support.digit_agents import start_digit_agents
+from support.processes import port_in_file
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--local-epochs", "1", "--batch-size", "32", "--rounds", "100000"]  # rounds run until the signal
@@ -48,11 +49,7 @@ def _simulate(tmp: Path, ranks: int) -> subprocess.Popen:
 
 def _port(tmp: Path, proc: subprocess.Popen) -> int:
     """The port ``proc`` (a `fedpar serve`) listens on, once it does."""
-    end = time.monotonic() + 120
-    while not (tmp / "port").exists():
-        assert proc.poll() is None and time.monotonic() < end, (tmp / "run.log").read_text()
-        time.sleep(0.05)
-    return int((tmp / "port").read_text())
+    return port_in_file(tmp / "port", proc, tmp / "run.log", 120)
 
 
 def _descendants(pid: int) -> set[int]:

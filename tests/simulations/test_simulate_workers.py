@@ -8,10 +8,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from fedpar.parallel.init import free_port
+from support.processes import port_in_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS, PER_ROUND, ROUNDS = 300, 20, 3
@@ -27,11 +27,7 @@ def test_torchrun_two_nodes_and_two_local_ranks_host_one_population_against_one_
         cwd=ROOT, env=env, stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
     nodes = []
     try:
-        end = time.monotonic() + 60
-        while not (tmp_path / "port").exists():
-            assert serve.poll() is None and time.monotonic() < end, (tmp_path / "serve.log").read_text()
-            time.sleep(0.1)
-        server = f"127.0.0.1:{int((tmp_path / 'port').read_text())}"
+        server = f"127.0.0.1:{port_in_file(tmp_path / 'port', serve, tmp_path / 'serve.log')}"
         master = free_port()
         for node in (0, 1):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(2 - node),

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.processes import port_in_file
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -26,11 +27,7 @@ def _serve(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, str]:
                               "--port", "0", "--port-file", str(tmp_path / "port"), "--out", str(tmp_path / "out"),
                               *TASK, *options], cwd=ROOT, env=ENV, stdout=open(tmp_path / "serve.log", "w"),
                              stderr=subprocess.STDOUT)
-    end = time.monotonic() + 60
-    while not (tmp_path / "port").exists() or not (tmp_path / "port").read_text().strip():
-        assert serve.poll() is None and time.monotonic() < end, (tmp_path / "serve.log").read_text()
-        time.sleep(0.1)
-    return serve, f"127.0.0.1:{int((tmp_path / 'port').read_text())}"
+    return serve, f"127.0.0.1:{port_in_file(tmp_path / 'port', serve, tmp_path / 'serve.log')}"
 
 
 def _worker(tmp_path: Path, server: str, *options: str) -> subprocess.Popen:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from fedpar.server.final_model import load_final_model
 from fedpar.simulations.population import client_id
+from support.processes import port_in_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,11 +33,7 @@ def deployed_model(tmp: Path, clients: int, seed: int, training: list[str], spli
                                    str(tmp / "deployed"), "--min-available", str(clients), *training, *rounds])
     agents: list[subprocess.Popen] = []
     try:
-        end = time.monotonic() + 60
-        while not (tmp / "port").exists():
-            assert serve.poll() is None and time.monotonic() < end, (tmp / "serve.log").read_text()
-            time.sleep(0.05)
-        address = f"127.0.0.1:{int((tmp / 'port').read_text())}"
+        address = f"127.0.0.1:{port_in_file(tmp / 'port', serve, tmp / 'serve.log')}"
         for n in range(clients):
             member = client_id(n)  # the member's id and partition in the simulation; its seed is the run's
             agents.append(_fedpar(tmp, member, [

@@ -31,6 +31,16 @@ os.execv(sys.argv[1], sys.argv[1:])
 """
 
 
+def port_in_file(path: Path, process: subprocess.Popen, log: Path, seconds: float = 60.0) -> int:
+    """The port ``process`` wrote to ``path`` (its --port-file) once it listens; the tail of its ``log`` as the failure
+    when it ended first or ``seconds`` passed."""
+    end = time.monotonic() + seconds
+    while not path.exists() or not path.read_text().strip():
+        assert process.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
 def port_from(proc: subprocess.Popen, lines: list[str], listening: str = "(mutual TLS)",
               timeout: float = 90.0) -> int:
     """The port of the coordinator's "listening on 127.0.0.1:PORT <listening>" line, reading its text stdout into
