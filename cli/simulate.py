@@ -159,6 +159,10 @@ def launch_checked(args: argparse.Namespace, cfg: SimulationConfig) -> int:
         from fedpar.simulations.runner import check_settings
         for line in check_settings(cfg):
             print(f"fedpar simulate: {line}", file=sys.stderr)
+        if cfg.aggregator_ranks > 1:  # as serve's: a huge N is said here, not by the kernel's OOM killer
+            from fedpar.server.ranks.memory import check_aggregator_ranks_fit
+            # the model is built from the data in the child: its ranks' copies of it are not counted here
+            check_aggregator_ranks_fit(cfg.aggregator_ranks, advice="give a smaller --aggregator-ranks")
         started = True
     except ValueError as exc:
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""Whether the aggregator ranks `fedpar serve --aggregator-ranks N` starts on this machine fit its memory, said in one
-line before any of them starts (parallel/preflight.py check_ranks_fit: the estimate `train --nproc` uses)."""
+"""Whether the aggregator ranks `fedpar serve --aggregator-ranks N` (or `fedpar simulate`'s) starts on this machine fit
+its memory, said in one line before any of them starts (parallel/preflight.py check_ranks_fit: the estimate `train --nproc` uses)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ AGGREGATOR_RANK_BYTES = 64 << 20
 AGGREGATOR_BYTES_PER_PARAMETER = 24
 
 
-def check_aggregator_ranks_fit(ranks: int, parameters: int = 0) -> None:
-    """ValueError, one line, when ``ranks`` aggregator ranks started here, each holding a model of ``parameters``
-    (0: not known yet, as a service's, whose runs bring their own), need more memory than this machine has
-    available."""
-    check_ranks_fit(ranks, f"serving on {ranks} aggregator ranks here (--aggregator-ranks {ranks})",
-                    "give a smaller --aggregator-ranks, or launch the ranks on several machines with torchrun",
+SERVE_ADVICE = "give a smaller --aggregator-ranks, or launch the ranks on several machines with torchrun"
+
+
+def check_aggregator_ranks_fit(ranks: int, parameters: int = 0, advice: str = SERVE_ADVICE) -> None:
+    """ValueError, one line (ending with ``advice``), when ``ranks`` aggregator ranks started here, each holding a
+    model of ``parameters`` (0: not known yet, as a service's, whose runs bring their own), need more memory than
+    this machine has available."""
+    check_ranks_fit(ranks, f"serving on {ranks} aggregator ranks here (--aggregator-ranks {ranks})", advice,
                     parameters, rank_bytes=AGGREGATOR_RANK_BYTES, parameter_bytes=AGGREGATOR_BYTES_PER_PARAMETER)
