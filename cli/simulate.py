@@ -252,41 +252,50 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
 
 STOP_GRACE_SECONDS = 60.0  # the child's time, once signalled, to write what completed (summary, model, plots)
 TOLD_STOP = signal.SIGUSR2  # the child's word to its launcher: a SIGINT came to it (see _tell_launcher)
+# ... and a SIGHUP came to it: a signal of its own, so that the launcher stops as for its own SIGHUP (exit 129); where
+# there is no real-time signal (macOS) the child's SIGHUP is told as a SIGINT
+TOLD_HANGUP = getattr(signal, "SIGRTMIN", TOLD_STOP)
+TOLD = {signal.SIGINT: TOLD_STOP, signal.SIGHUP: TOLD_HANGUP}  # what the child ignores otherwise: the word it sends
 
 
 @contextlib.contextmanager
 def _stops_told(received):
-    """In the launcher: the child's TOLD_STOP stops the run as a SIGINT here does, unless a stop is under way
-    already (a Ctrl-C reaches both processes: the child's word may come later than the launcher's own signal)."""
+    """In the launcher: the child's word (TOLD) stops the run as the signal it names does here, unless a stop is
+    under way already (a Ctrl-C or a closed terminal reaches both processes: the child's word may come later than
+    the launcher's own signal)."""
+    meaning = {TOLD_HANGUP: signal.SIGHUP, TOLD_STOP: signal.SIGINT}  # one word for both (macOS): a SIGINT
+
     def told(signum, frame) -> None:
         if received.signal is None:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(meaning[signum])  # ignored here too where this process ignores it (nohup)
 
-    previous = signal.signal(TOLD_STOP, told)
+    previous = {s: signal.signal(s, told) for s in meaning}
     try:
         yield
     finally:
-        signal.signal(TOLD_STOP, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @contextlib.contextmanager
 def _tell_launcher(launcher: int | None):
-    """In the child (its launcher's pid: ``launcher``; None: no launcher, nothing changes): a SIGINT, which the
-    child otherwise ignores (its launcher stops it), is told to the launcher, which stops the run as for its own
-    (`kill -INT` of the child's pid, found by pgrep, stopped nothing)."""
+    """In the child (its launcher's pid: ``launcher``; None: no launcher, nothing changes): a SIGINT or SIGHUP, which
+    the child otherwise ignores (its launcher stops it), is told to the launcher, which stops the run as for its own
+    (`kill -INT` or `kill -HUP` of the child's pid, found by pgrep, stopped nothing)."""
     if launcher is None:
         yield
         return
 
     def tell(signum, frame) -> None:
         if alive(launcher):  # else the launcher is gone, and this process is stopping for that
-            os.kill(launcher, TOLD_STOP)
+            os.kill(launcher, TOLD[signum])
 
-    previous = signal.signal(signal.SIGINT, tell)
+    previous = {s: signal.signal(s, tell) for s in TOLD}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _how_to_go_on(cfg: SimulationConfig) -> str:
