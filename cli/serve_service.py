@@ -370,7 +370,10 @@ class RunService:
         except Exception as exc:  # a round's error ends this run (the one-shot form re-raises it)
             reason = self.round_error(exc, plan.config)
         finally:
-            server.stop(grace=0.5)  # on the service's port: the idle coordinator answers the agents again
+            # on the service's port: the idle coordinator answers the agents again; a run stop waits for the row of
+            # a round that was closing (its evaluation, checkpoint and row may take longer than the grace), so that
+            # its reason, below, names the round its rows and 'fedpar run ls' hold
+            server.stop(grace=0.5, settle=status == "stopped")
             if events is not None:
                 events.close()
         earlier = server.coordinator.earlier_seconds  # a resumed run's time in the processes before this one

@@ -69,6 +69,7 @@ class CoordinatorServer:
         self._stop: asyncio.Event | None = None
         self._stopped = False  # stop() ran: its coordinator is closed, so this server cannot start again
         self._grace = 1.0  # seconds calls in flight get when the server stops
+        self._settle = False  # stop(settle=True): the rounds' ending is waited for past the grace
 
     @property
     def host(self) -> str:
@@ -143,17 +144,20 @@ class CoordinatorServer:
         finally:
             self.stop()
 
-    def stop(self, grace: float = 1.0) -> None:
-        """Stop the rounds and take the coordinator off its port (closing a port of its own)."""
+    def stop(self, grace: float = 1.0, settle: bool = False) -> None:
+        """Stop the rounds and take the coordinator off its port (closing a port of its own); ``settle``: wait, past
+        ``grace``, until the last finished round's row and checkpoint are written (or failed), so that what the run
+        recorded last is all there is once this returns."""
         atexit.unregister(self.stop)
         self._stopped = True
         self._grace = grace
+        self._settle = settle
         if self._running is not None and self._stop is not None:
             try:
                 self.agent_port.on_loop(self._stop.set)
             except (RuntimeError, TimeoutError):
                 pass  # the loop is gone already
-            concurrent.futures.wait([self._running], timeout=grace + 10)
+            concurrent.futures.wait([self._running], timeout=None if settle else grace + 10)
         if self._own_port:
             self.agent_port.close(grace)
         self.coordinator.close()
@@ -213,7 +217,8 @@ class CoordinatorServer:
         finally:
             rounds.cancel()
             stopper.cancel()
-            await asyncio.wait({rounds}, timeout=self._grace)  # its own ending (a stopped run's last round written)
+            # its own ending (a stopped run's last round written: a slow evaluation or checkpoint may take longer)
+            await asyncio.wait({rounds}, timeout=None if self._settle else self._grace)
 
 
 class CoordinatorService:
