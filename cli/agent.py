@@ -16,7 +16,7 @@ from fedpar.cli.declared import add_declared, section
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.renamed import add_negated_key
-from fedpar.cli.task_options import check_nothing_replaced
+from fedpar.cli.task_options import check_nothing_replaced, check_task_options
 from fedpar.cli.tlsopts import add_tls_arguments, client_security
 from fedpar.cli.user_errors import agent_exit_code, say_agent_interrupted
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
@@ -98,6 +98,7 @@ def flower_app_agent(args: argparse.Namespace, config):
     if args.flower_client or args.task:
         raise ValueError("--flower-app says what this agent trains: drop --flower-client and --task")
     check_nothing_replaced(args)  # the ClientApp loads its own data: a --dataset given beside it was ignored
+    check_task_options(args)  # --task-option KEY=VALUE, a Flower user's run-config override: ignored
     app = load_flower_app(args.flower_app, args.run_config)
     initial = app.initial_arrays(args.seed) if app.fedpar_table.get("model") else None
     trainer = FlowerAppTrainer(app.client_app, app.run_config, initial)

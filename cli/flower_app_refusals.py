@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from fedpar.cli.config import ignored_given
-from fedpar.cli.task_options import check_nothing_replaced
+from fedpar.cli.task_options import check_nothing_replaced, check_task_options
 
 # fedpar scores a model centrally on a test set of its own data or task; a Flower App's ClientApps load their own data
 # and evaluate it themselves (server/assembly.py for_flower_app, and a ServerApp's evaluation is its own), so
@@ -30,6 +30,7 @@ def flower_app_refusal(args: argparse.Namespace, server_app_drives: bool) -> str
         return None
     try:  # --dataset, --model: the app's ClientApps load their own data and build their own model
         check_nothing_replaced(args)
+        check_task_options(args)  # --task-option KEY=VALUE, a Flower user's run-config override: ignored
     except ValueError as exc:
         return str(exc)
     if getattr(args, "target_accuracy", None) is not None:

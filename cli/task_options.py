@@ -43,6 +43,9 @@ def check_task_options(args: argparse.Namespace) -> None:
     if getattr(args, "task", None) or not task_options(args):
         return
     if ignored_given(args, {"task_options": "it needs --task"}) or not chose(args, "task_options"):
+        if getattr(args, "flower_app", None):  # a Flower user's run-config override, given the wrong way
+            raise TaskError("--task-option needs --task; a Flower App's run config is overridden with "
+                            "--run-config 'KEY=VALUE ...'")
         raise TaskError("--task-option needs --task")
 
 
