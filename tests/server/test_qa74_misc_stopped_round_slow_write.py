@@ -9,7 +9,6 @@ starts; the stop comes while one runs. A real `fedpar serve --state` process and
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from fedpar.security.certs import ensure_certs
 from fedpar.server.run_store import RunStore
 from support.in_process import main_here
 from support.processes import stop_processes
+from support.stopped_runs import assert_stopped_as_recorded
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,13 +104,7 @@ def test_a_run_stopped_while_its_last_row_is_slowly_written_names_that_row_s_rou
         assert main_here("run", "stop", str(run_id), *options).returncode == 0
         _wait_for(lambda: store.get(run_id).status == "stopped", 60, lambda: store.get(run_id))
         time.sleep(SLOW_SECONDS + 1)  # a row still being written when the run ended lands meanwhile
-        run = store.get(run_id)
-        rows = [row["round"] for row in store.round_metrics(run_id)]
-        summary = json.loads((Path(run.out_dir) / "summary.json").read_text())
-        model = json.loads((Path(run.out_dir) / "global.json").read_text())
-        # before: 'stopped after round N' beside ROUND N + 1 (the row of the round evaluated at the stop)
-        assert run.reason == f"stopped after round {run.round}", (run.reason, run.round, rows[-3:])
-        assert rows[-1] == run.round == summary["rounds"] == model["round"], (rows[-1], run.round, summary, model)
+        assert_stopped_as_recorded(store, run_id)  # before: ROUND N + 1, the row of the round evaluated at the stop
         assert "test_loss" in store.round_metrics(run_id)[-1]  # the slow evaluation's row itself was kept
     finally:
         if store is not None:

@@ -8,7 +8,6 @@ force the race.)"""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from fedpar.security.certs import ensure_certs
 from fedpar.server.run_store import RunStore
 from support.in_process import main_here
 from support.processes import stop_processes
+from support.stopped_runs import assert_stopped_as_recorded
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -67,13 +67,7 @@ def test_a_stopped_runs_reason_names_the_round_it_recorded_last(tmp_path):
             time.sleep(0.07 * attempt)
             assert main_here("run", "stop", str(run_id), *options).returncode == 0
             _wait_for(lambda: store.get(run_id).status == "stopped", 60, lambda: store.get(run_id))
-            run = store.get(run_id)
-            rows = [row["round"] for row in store.round_metrics(run_id)]
-            summary = json.loads((Path(run.out_dir) / "summary.json").read_text())
-            model = json.loads((Path(run.out_dir) / "global.json").read_text())
-            # before: 'stopped after round N' where ls, the rows, the summary and the model said N + 1
-            assert run.reason == f"stopped after round {run.round}", (run.reason, run.round, rows[-3:])
-            assert rows[-1] == run.round == summary["rounds"] == model["round"], (rows[-1], run.round, summary, model)
+            assert_stopped_as_recorded(store, run_id)
     finally:
         if store is not None:
             store.close()
