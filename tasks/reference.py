@@ -5,8 +5,8 @@ The factory's options are declared once, torchtitan style, as a dataclass: ``def
 gets a ``MyOptions`` built from the pairs, each value typed as its field (bool, int, float, str, Path, a Literal or
 an Enum of choices, or ``X | None`` of those, where ``none`` gives None; another declared type takes only a TOML
 value of a --config file). A factory with plain keyword parameters gets them typed by annotation (or by default
-value), one with ``**options`` any other option as given. The reference may also name a Task itself (then it takes no options). Mistakes are
-one-line :class:`TaskError`\\ s.
+value), one with ``**options`` any other option as given. The reference may also name a Task itself (then it takes
+no options). Mistakes are one-line :class:`TaskError`\\ s.
 """
 
 from __future__ import annotations

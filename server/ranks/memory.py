@@ -1,5 +1,6 @@
 """Whether the aggregator ranks `fedpar serve --aggregator-ranks N` (or `fedpar simulate`'s) starts on this machine fit
-its memory, said in one line before any of them starts (parallel/preflight.py check_ranks_fit: the estimate `train --nproc` uses)."""
+its memory, said in one line before any of them starts (parallel/preflight.py check_ranks_fit: the estimate `train
+--nproc` uses)."""
 
 from __future__ import annotations
 
