@@ -69,7 +69,7 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
     if problem:
         raise ValueError(problem)
     # the workers load the ClientApp: a broken one is said here, once, not as each worker's traceback
-    app.client_app  # noqa: B018
+    app.check_client_app()
     started = time.monotonic()
     out = Path(cfg.out) if cfg.out else None
     earlier = workers = None

@@ -245,7 +245,7 @@ def _flower_app(cfg: SimulationConfig) -> FlowerApp | None:
         raise ValueError("--client-batching stacks fedpar's own local loop; a Flower App trains in its ClientApp: "
                          "drop --client-batching")
     app = load_flower_app(cfg.flower_app, cfg.run_config)
-    app.client_app  # noqa: B018 (imported now: a broken app is said here, once)
+    app.check_client_app()
     return app
 
 

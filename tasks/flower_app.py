@@ -105,6 +105,11 @@ class FlowerApp:
         from flwr.clientapp import ClientApp
         return _component(self, self.clientapp_ref, "clientapp", ClientApp)
 
+    def check_client_app(self) -> None:
+        """Load the ClientApp now, so that a broken one is a FlowerAppError here rather than in each process that
+        hosts members."""
+        self.client_app  # noqa: B018  (the cached load is the check)
+
     @cached_property
     def server_app(self):
         """The ``flwr.serverapp.ServerApp`` the project names."""
