@@ -2,9 +2,9 @@
 central evaluation, checkpoint and metrics row run after the next round's tasks went out) was listed at ROUND N+1
 beside 'stopped after round N' when that write took longer than server.stop's 0.5 s grace: the reason was read
 before the row landed. A run stop now waits for that write (server/app.py stop(settle=True)), so the reason, the round
-`fedpar run ls` shows, the last row, the summary and the model name one round. The slow write is forced: the run's
-task (a module of this test's) takes 4 s for each central evaluation in the service's process and notes when one
-starts; the stop comes while one runs. A real `fedpar serve --state` process and two real `fedpar client` agents on
+`fedpar run ls` shows, the last row, the summary and the model name one round. The slow write is forced: once
+the run has recorded two rounds, the run's task (a module of this test's) takes 2 s for a central evaluation in the
+service's process and notes when one starts and ends; the stop comes while one runs. A real `fedpar serve --state` process and two real `fedpar client` agents on
 127.0.0.1 (ports 0)."""
 
 from __future__ import annotations
@@ -26,9 +26,13 @@ from support.stopped_runs import assert_stopped_as_recorded
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[2]
-SLOW_SECONDS = 4.0  # each central evaluation in the service: well past the stop's 0.5 s grace
-TASK = f'''"""The zoo's mlp on digits, whose central evaluation (where SLOW_EVAL_DIR is set: the service's process) notes
-its start in that folder and takes {SLOW_SECONDS} s more."""
+SLOW_SECONDS = 2.0  # the slowed central evaluation in the service: four times the stop's 0.5 s grace
+# every other evaluation in the service takes this long: more than server/coordinator.py LOOP_EVALUATION_SECONDS, so
+# that all of them, the slowed one too, run on a worker thread while the loop answers the stop
+QUICK_SECONDS = 0.02
+TASK = f'''"""The zoo's mlp on digits, whose central evaluation (where SLOW_EVAL_DIR is set: the service's process)
+takes {QUICK_SECONDS} s more, or, once that folder holds 'slow', notes its start and end there around {SLOW_SECONDS} s
+more."""
 import os
 import time
 from pathlib import Path
@@ -42,9 +46,13 @@ def task():
 
     def evaluate(model, dataset):
         folder = os.environ.get("SLOW_EVAL_DIR")
-        if folder:
-            (Path(folder) / str(time.monotonic_ns())).touch()
+        if folder and (Path(folder) / "slow").exists():
+            mark = str(time.monotonic_ns())
+            (Path(folder) / f"{{mark}}.started").touch()
             time.sleep({SLOW_SECONDS})
+            (Path(folder) / f"{{mark}}.ended").touch()
+        elif folder:
+            time.sleep({QUICK_SECONDS})
         return builtin_evaluation(made, model, dataset)
 
     made.evaluate = evaluate
@@ -97,13 +105,14 @@ def test_a_run_stopped_while_its_last_row_is_slowly_written_names_that_row_s_rou
         done = main_here("run", "submit", str(tmp_path / "run.toml"), *options)
         assert done.returncode == 0, done
         run_id = int(done.stdout)
-        # round 2's row recorded: the evaluations now run on a thread (the first, timed, ran on the loop)
-        _wait_for(lambda: store.get(run_id).round >= 2, 180, log)
-        seen = len(list(marks.iterdir()))
-        _wait_for(lambda: len(list(marks.iterdir())) > seen, 60, log)  # a later round's evaluation has started
+        _wait_for(lambda: store.get(run_id).round >= 2, 180, log)  # two rows written, each evaluated on a thread
+        (marks / "slow").touch()
+        _wait_for(lambda: any(marks.glob("*.started")), 60, log)  # a later round's evaluation has started, slowly
         assert main_here("run", "stop", str(run_id), *options).returncode == 0
         _wait_for(lambda: store.get(run_id).status == "stopped", 60, lambda: store.get(run_id))
-        time.sleep(SLOW_SECONDS + 1)  # a row still being written when the run ended lands meanwhile
+        # a row still being written when the run ended lands meanwhile: its evaluation ends, then its checkpoint
+        _wait_for(lambda: len(list(marks.glob("*.ended"))) == len(list(marks.glob("*.started"))), 60, log)
+        time.sleep(1.0)
         assert_stopped_as_recorded(store, run_id)  # before: ROUND N + 1, the row of the round evaluated at the stop
         assert "test_loss" in store.round_metrics(run_id)[-1]  # the slow evaluation's row itself was kept
     finally:
