@@ -2,10 +2,10 @@
 central evaluation, checkpoint and metrics row run after the next round's tasks went out) was listed at ROUND N+1
 beside 'stopped after round N' when that write took longer than server.stop's 0.5 s grace: the reason was read
 before the row landed. A run stop now waits for that write (server/app.py stop(settle=True)), so the reason, the round
-`fedpar run ls` shows, the last row, the summary and the model name one round. The slow write is forced: once
-the run has recorded two rounds, the run's task (a module of this test's) takes 2 s for a central evaluation in the
-service's process and notes when one starts and ends; the stop comes while one runs. A real `fedpar serve --state` process and two real `fedpar client` agents on
-127.0.0.1 (ports 0)."""
+`fedpar run ls` shows, the last row, the summary and the model name one round. The slow write is forced: once the run
+has recorded two rounds, the run's task (a module of this test's) takes 2 s for a central evaluation in the service's
+process and notes when one starts and ends; the stop comes while one runs. A real `fedpar serve --state` process and
+two real `fedpar client` agents on 127.0.0.1 (ports 0)."""
 
 from __future__ import annotations
 
