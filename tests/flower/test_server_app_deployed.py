@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from support.earlier_run import earlier_run, file_digests
+from support.in_process import main_here
 from support.processes import port_from
 
 pytest.importorskip("flwr")
@@ -44,29 +45,36 @@ def _serve_and_two_agents(app: Path, serve_args: list[str], listening: str, clie
     return serve, serve_out, clients, outputs
 
 
-def test_served_server_app_and_two_agents_over_mutual_tls(tmp_path):
+def test_served_server_app_and_two_agents_over_mutual_tls_replacing_every_file_of_the_earlier_run(tmp_path):
+    """Two server rounds over mutual TLS (`fedpar certs`' CA), each answered by both agents; the final model is the
+    ServerApp's own; the run, having written a round, replaced every file of the earlier run in its --out."""
     certs = tmp_path / "certs"
-    subprocess.run([*FEDPAR, "certs", "--out", str(certs), "--agents", "alice,bob"], check=True, cwd=ROOT,
-                   capture_output=True, timeout=60)
-    final = tmp_path / "final.npz"
+    made = main_here("certs", "--out", str(certs), "--agents", "alice,bob")
+    assert made.returncode == 0, made
+    final, out = tmp_path / "final.npz", tmp_path / "run"
+    earlier_run(out)
     serve, serve_out, clients, outputs = _serve_and_two_agents(
-        APP, ["--certs", str(certs), "--run-config", f'final-path="{final}"', "--out", str(tmp_path / "run")],
+        APP, ["--certs", str(certs), "--run-config", f'final-path="{final}"', "--out", str(out)],
         "(mutual TLS) for Flower App", ["--certs", str(certs)])
     assert serve.returncode == 0, serve_out
-    for client, out in zip(clients, outputs):
+    for client, out_text in zip(clients, outputs):
         # 2 server rounds, each a train and an evaluate message: 4 replies, none refused
-        assert client.returncode == 0 and "4 messages, 4 answered (2 evaluate, 2 train), 0 failed" in out, out
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert client.returncode == 0 and "4 messages, 4 answered (2 evaluate, 2 train), 0 failed" in out_text, \
+            out_text
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["flower_round"], r["message_type"], r["reported"]) for r in rows] == \
         [(1, "train", 2), (1, "evaluate", 2), (2, "train", 2), (2, "evaluate", 2)]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == 4 and summary["flower"]["train_metrics_clientapp"]["2"]["rounds"] == pytest.approx(2)
     from fedpar.server.final_model import load_final_model
 
-    names, arrays = load_final_model(tmp_path / "run")
+    names, arrays = load_final_model(out)
     saved = dict(np.load(final))  # what the ServerApp itself saved from its Result
     for name, array in zip(names, arrays):
         np.testing.assert_array_equal(array, saved[name])
+    assert not (out / "labels.png").exists() and not (out / ".earlier-run").exists()  # the earlier run's only
+    assert (out / "metrics.csv").read_text().count("\n") == 5  # its header and its four rows, none of the earlier's
+    assert f"wrote {out}/metrics.jsonl" in serve_out, serve_out[-3000:]
 
 
 def test_served_app_under_fedpars_strategy_trains_two_deployed_client_apps(tmp_path):
@@ -146,17 +154,22 @@ def test_ctrl_c_stops_a_served_server_app_at_once_keeping_its_global_model(tmp_p
     assert sorted(names) == ["b", "w"]
 
 
-def test_ctrl_c_stops_serve_while_the_server_apps_strategy_waits_for_more_nodes(tmp_path):
+def test_ctrl_c_stops_serve_while_the_server_apps_strategy_waits_for_more_nodes_keeping_the_earlier_run(tmp_path):
     """The app's FedAvg waits for 2 nodes, 1 agent came: Ctrl-C printed 'interrupted' and serve hung for ever, the
-    coordinator's loop waiting to close for the ServerApp's thread, asleep in Flower's own wait (QA)."""
+    coordinator's loop waiting to close for the ServerApp's thread, asleep in Flower's own wait (QA). Its --out held
+    an earlier run: its files stay as they were and serve says it wrote nothing (QA: its summary.json replaced the
+    earlier one, and its rows would have gone on after the earlier run's)."""
     import signal
 
+    out = tmp_path / "run"
+    before = earlier_run(out)
     serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--min-available", "1", "--flower-app",
-                              str(APP), "--out", str(tmp_path / "run")],
+                              str(APP), "--out", str(out)],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     agent, lines = None, []
     try:
-        port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
+        port = port_from(serve, lines, "(PLAINTEXT (--insecure)) for Flower App")
+        assert (out / ".earlier-run").is_dir()  # set aside while the run has written no round
         agent = subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", "--insecure", "--agent-id",
                                   "alice", "--num-partitions", "2", "--partition-index", "0", "--flower-app", str(APP),
                                   "--threads", "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -174,6 +187,9 @@ def test_ctrl_c_stops_serve_while_the_server_apps_strategy_waits_for_more_nodes(
     assert serve.returncode == 130 and "Traceback" not in serve_out, serve_out[-3000:]
     # counted in Message exchanges, not fedpar rounds read as the ServerApp's (2 per server round: train, evaluate)
     assert serve_out.strip().splitlines()[-1] == "fedpar serve: interrupted after 0 Message exchanges"
+    assert f"wrote nothing to {out}" in serve_out.splitlines(), serve_out[-3000:]
+    assert file_digests(out) == before
+    assert not (out / ".earlier-run").exists()
 
 
 def test_deployed_agents_clientapps_see_the_coordinators_run_config(tmp_path):
@@ -194,46 +210,3 @@ def test_deployed_agents_clientapps_see_the_coordinators_run_config(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["message_type"], r["error_replies"]) for r in rows] == \
         [("train", 1), ("evaluate", 0), ("train", 1), ("evaluate", 0)], (rows, serve_out)
-
-
-
-
-def test_served_server_app_stopped_before_its_first_round_keeps_the_earlier_runs_outputs(tmp_path):
-    """serve --flower-app into an earlier run's --out, stopped (Ctrl-C) while it waits for agents: the earlier run's
-    files stay as they were and serve says it wrote nothing (QA: its summary.json replaced the earlier one, and its
-    rows would have gone on after the earlier run's)."""
-    import signal
-
-    out = tmp_path / "run"
-    before = earlier_run(out)
-    serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--min-available", "2", "--flower-app",
-                              str(APP), "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        port_from(serve, lines, "(PLAINTEXT (--insecure)) for Flower App")
-        assert (out / ".earlier-run").is_dir()  # set aside while the run has written no round
-        serve.send_signal(signal.SIGINT)
-        serve_out = "".join(lines) + serve.communicate(timeout=30)[0]
-    finally:
-        if serve.poll() is None:
-            serve.kill()
-    assert serve.returncode == 130 and "Traceback" not in serve_out, serve_out[-3000:]
-    assert f"wrote nothing to {out}" in serve_out.splitlines(), serve_out[-3000:]
-    assert file_digests(out) == before
-    assert not (out / ".earlier-run").exists()
-
-
-def test_served_server_app_that_writes_a_round_replaces_every_file_of_the_earlier_run(tmp_path):
-    out = tmp_path / "run"
-    earlier_run(out)
-    serve, serve_out, clients, outputs = _serve_and_two_agents(
-        APP, ["--insecure", "--run-config", "num-server-rounds=1", "--out", str(out)],
-        "(PLAINTEXT (--insecure)) for Flower App", ["--insecure"])
-    assert serve.returncode == 0 and all(c.returncode == 0 for c in clients), (serve_out, outputs)
-    assert not (out / "labels.png").exists() and not (out / ".earlier-run").exists()  # the earlier run's only
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["message_type"] for r in rows] == ["train", "evaluate"]
-    assert (out / "metrics.csv").read_text().count("\n") == 3  # its header and its two rows, none of the earlier's
-    assert json.loads((out / "summary.json").read_text())["rounds"] == 2
-    assert f"wrote {out}/metrics.jsonl" in serve_out, serve_out[-3000:]
