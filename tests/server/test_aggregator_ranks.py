@@ -27,6 +27,7 @@ from fedpar.parallel.init import free_port
 from fedpar.protocol.codec import CoordinatorStub, ModelLayout, channel_options, layout_to_pb
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import load_checkpoint
+from fedpar.server.config import CoordinatorConfig
 from fedpar.tasks.reference import load_task
 from fedpar.client.host_partial import HostSum
 from fedpar.client.transfer import download_weights
@@ -38,6 +39,7 @@ from support.population_calls import join_members, member_auth, pull_tasks, refu
 from support.ports import free_port_run
 from support.processes import children, listening, not_on_loopback
 from support.scripted_agent import ScriptedAgent
+from support.synthetic_members import main as host_synthetic_members
 
 ROOT = Path(__file__).resolve().parents[2]
 IDS = ["a0", "a1", "a2", "a3"]  # dealt a0, a2 -> rank 0 and a1, a3 -> rank 1 (sorted, fewest agents first)
@@ -115,31 +117,36 @@ def _rows(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str,
-                layout: ModelLayout | None = None) -> tuple[list[np.ndarray], list[dict], list[int]]:
-    """Serve ``rounds`` rounds of 4 agents on ``ranks`` ranks (of a model of ``layout``; default: the mlp on
-    digits); the final model, the rows, each agent's ranks."""
-    layout = layout or _layout()
+def _agents_rounds(port: int, rounds: int, layout: ModelLayout, proc: subprocess.Popen | None = None) -> list[int]:
+    """``rounds`` rounds of the 4 agents against the coordinator on ``port`` (its ranks, when ``proc`` serves more
+    than one, listening on loopback alone); 1 for each task dealt to rank 1, else 0."""
     names = [t.name for t in layout.tensors]
-    proc = _serve(tmp, ranks, "--rounds", str(rounds), "--clients-per-round", "4", *flags)
     dealt = []
+    agents = [RankedAgent(f"127.0.0.1:{port}", a, EXAMPLES[a]) for a in IDS]
+    for round_id in range(1, rounds + 1):
+        for agent in agents:
+            task = agent.task(60)
+            assert task.round == round_id
+            dealt.append(1 if task.ingest_port else 0)
+            weights = agent.fetch(task, layout)
+            reply = agent.send(task, _update(agent.agent_id, round_id, weights), EXAMPLES[agent.agent_id], names)
+            assert reply.accepted, reply.message
+        if proc is not None and round_id == 1:  # every rank is up: its store, gloo and ports listen on loopback alone
+            heard = listening(proc.pid)
+            assert len(heard) >= 4 and not not_on_loopback(heard), heard
+    for agent in agents:  # told on their next poll: serve then exits without lingering
+        assert agent.shutdown_reason() == f"training finished after round {rounds}"
+    return dealt
+
+
+def _run_rounds(tmp: Path, rounds: int, *flags: str,
+                layout: ModelLayout | None = None) -> tuple[list[np.ndarray], list[dict], list[int]]:
+    """Serve ``rounds`` rounds of 4 agents on 2 ranks (of a model of ``layout``; default: the mlp on digits); the
+    final model, the rows, each agent's ranks."""
+    layout = layout or _layout()
+    proc = _serve(tmp, 2, "--rounds", str(rounds), "--clients-per-round", "4", *flags)
     try:
-        port = _port(tmp, proc)
-        agents = [RankedAgent(f"127.0.0.1:{port}", a, EXAMPLES[a]) for a in IDS]
-        for round_id in range(1, rounds + 1):
-            for agent in agents:
-                task = agent.task(60)
-                assert task.round == round_id
-                dealt.append(1 if task.ingest_port else 0)
-                weights = agent.fetch(task, layout)
-                reply = agent.send(task, _update(agent.agent_id, round_id, weights), EXAMPLES[agent.agent_id],
-                                   names)
-                assert reply.accepted, reply.message
-            if ranks > 1 and round_id == 1:  # every rank is up: its store, gloo and ports listen on loopback alone
-                heard = listening(proc.pid)
-                assert len(heard) >= 2 * ranks and not not_on_loopback(heard), heard
-        for agent in agents:  # told on their next poll: serve then exits without lingering
-            assert agent.shutdown_reason() == f"training finished after round {rounds}"
+        dealt = _agents_rounds(_port(tmp, proc), rounds, layout, proc)
         assert proc.wait(60) == 0, (tmp / "serve.log").read_text()
     finally:
         if proc.poll() is None:
@@ -155,8 +162,20 @@ def test_two_ranks_give_the_one_rank_models_bit_for_bit_with_agents_spread_over_
     assembly = CoordinatorAssembly.for_task(load_task(EXAMPLE, {"csv": str(csv)}), 0, None)
     task = ["--fold-dtype", "float64", "--task", EXAMPLE, "--task-option", f"csv={csv}"]
     layout = ModelLayout.of_arrays(assembly.names, assembly.weights)
-    one, rows1, dealt1 = _run_rounds(tmp_path / "one", 1, 2, *task, layout=layout)
-    two, rows2, dealt2 = _run_rounds(tmp_path / "two", 2, 2, *task, layout=layout)
+    # the one-rank coordinator runs in this process (serve's settings; its own model, the same seed's): what is
+    # compared is its model, not a process
+    rows1: list[dict] = []
+    one_rank = CoordinatorAssembly.for_task(load_task(EXAMPLE, {"csv": str(csv)}), 0, None).server(
+        CoordinatorConfig(rounds=2, clients_per_round=4, min_available=4, overselect=1.0, heartbeat_seconds=1.0,
+                          liveness_timeout_seconds=30.0, inline_weights_max_bytes=0, fold_dtype="float64"),
+        build_strategy("fedavg"), on_round_end=[rows1.append])
+    one_rank.start()
+    try:
+        dealt1 = _agents_rounds(one_rank.port, 2, layout)
+        one = [np.array(w) for w in one_rank.coordinator.weights]
+    finally:
+        one_rank.stop()
+    two, rows2, dealt2 = _run_rounds(tmp_path / "two", 2, *task, layout=layout)
     assert [a.shape for a in two] == [w.shape for w in assembly.weights]
     assert dealt1 == [0] * 8 and sorted(dealt2) == [0] * 4 + [1] * 4  # two agents on each rank, every round
     for a, b in zip(one, two):
@@ -502,20 +521,22 @@ def _capped(strategy, share: float):
     return strategy
 
 
-def test_a_runtimes_members_follow_their_tasks_to_both_ranks(tmp_path):
+def test_a_runtimes_members_follow_their_tasks_to_both_ranks(tmp_path, capsys):
+    """A client runtime's members (run in this process: what is proven is where their tasks send them) upload to the
+    rank each task names, and every round counts two on each rank."""
     proc = _serve(tmp_path, 2, "--model", "synthetic", "--params", "20000", "--rounds", "2", "--clients-per-round", "4",
                   "--accept-populations")
     try:
         port = _port(tmp_path, proc)
-        members = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "synthetic_members.py"), "--server",
-                                  f"127.0.0.1:{port}", "--count", "4", "--params", "20000", "--poll", "1"], cwd=ROOT,
-                                 capture_output=True, text=True, timeout=120)
-        assert members.returncode == 0, members.stdout[-2000:] + members.stderr[-2000:]
+        capsys.readouterr()
+        assert host_synthetic_members(["--server", f"127.0.0.1:{port}", "--count", "4", "--params", "20000",
+                                        "--poll", "1"]) == 0
+        printed = capsys.readouterr().out
         assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-    stats = json.loads(members.stdout.strip().splitlines()[-1])
+    stats = json.loads(printed.strip().splitlines()[-1])
     assert stats["finished"] == 4 and stats["refused"] == 0, stats
     assert all((r["status"], r["r0_uploads"], r["r1_uploads"]) == ("ok", 2, 2) for r in _rows(tmp_path))
 
