@@ -71,11 +71,16 @@ class Federation:
             raise
         self.port = int((tmp / "port").read_text())
         self.control = f"127.0.0.1:{int((tmp / 'cport').read_text())}"
-        self.agents = [_fedpar("client", "--server", f"127.0.0.1:{self.port}", "--certs", str(self.certs),
-                               "--agent-id", f"a{i + 1}", "--num-partitions", "2", "--partition-index", str(i),
-                               "--poll", "1", "--threads", "1", "--max-backoff", "0.5", *options,
-                               log=tmp / f"a{i + 1}.log")  # backoff: an agent finds each run's coordinator at once
-                       for i, options in enumerate(agent_options)]
+        for options in agent_options:
+            self.add_agent(*options)
+
+    def add_agent(self, *options: str) -> None:
+        """Start the next agent (a1, then a2) on its half of the data, with ``options`` besides."""
+        name, index = f"a{len(self.agents) + 1}", len(self.agents)
+        self.agents.append(_fedpar("client", "--server", f"127.0.0.1:{self.port}", "--certs", str(self.certs),
+                                   "--agent-id", name, "--num-partitions", "2", "--partition-index", str(index),
+                                   "--poll", "1", "--threads", "1", "--max-backoff", "0.5", *options,
+                                   log=self.tmp / f"{name}.log"))  # backoff: an agent finds each run's coordinator
 
     def run(self, *args: str, operator: str = "op") -> subprocess.CompletedProcess:
         """`fedpar run ARGS` against the service, as ``operator`` (a name under certs/operators)."""
@@ -127,10 +132,15 @@ class Federation:
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
-    """One service on two aggregator ranks for the module's tests (its one-rank form: the kill -9 and task tests)."""
+    """One service on two aggregator ranks for the module's first tests (the one-rank form: `one_rank` and the task
+    test), on fixed ports: its launcher starts it again on them when its rank 0 is killed (the last test on it)."""
+    from support.ports import free_port_run
+
     tmp = tmp_path_factory.mktemp("service")
+    ports = free_port_run(3)  # rank 0, rank 1 (--port + 1), the control port
     fed = Federation(tmp, ((), ()), 2, "--metrics-port", "0", "--tensorboard", str(tmp / "tb"),
-                     "--aggregator-ranks", "2", *RANKS_ON_CPU)
+                     "--aggregator-ranks", "2", "--aggregator-timeout", "30", "--port", str(ports),
+                     "--control-port", str(ports + 2), *RANKS_ON_CPU)
     yield fed
     fed.close()
     assert fed.service.returncode == 0, (tmp / "serve.log").read_text()[-3000:]  # SIGTERM stops every rank cleanly
@@ -306,6 +316,80 @@ def test_a_revoked_operator_is_refused_on_the_control_port(federation):
     assert refused[-3:] == ["refused ls", "refused submit", "refused stop"], refused
 
 
+def _rank_1_pids(log: str) -> list[int]:
+    return [int(pid) for pid in re.findall(r"aggregator rank 1 \(pid (\d+)\)", log)]
+
+
+def test_kill_9_of_rank_1_between_runs_and_in_a_run_then_of_rank_0_costs_no_run_anything(federation):
+    """The module's last test on its service (it stops it). Rank 1 killed while no run ran: the next run's start
+    failed ('RanksChanged: all-gather ... failed'), the group having found out only then; now it goes on without the
+    lost rank and takes its replacement back at a round. Rank 1 killed inside a run: before, the replacement asked to
+    join an earlier run (whose rounds were done for good) and left, and the service went on with one rank; the run
+    runs until stopped, so the kill falls inside it whatever the machine's speed. Rank 0 (which runs the runs, the
+    control API and the agents' port) killed mid-run: its launcher starts every rank again on the same ports, as it
+    does for `serve --checkpoint-dir` (QA: the service exited 1, asking the operator to start it again), and the run
+    resumes from its last checkpoint. A run after all three has both ranks."""
+    fed = federation
+    log = fed.tmp / "serve.log"
+    taken_back = "rank 1 taken back; going on with 2 of 2 ranks"
+    try:
+        store = RunStore(fed.state)
+        _wait_for(lambda: _rank_1_pids(log.read_text()), 60, "rank 1 did not start")
+        _wait_for(lambda: all(run.status not in ("queued", "running") for run in store.runs()), 240,
+                  "the earlier tests' runs did not end")
+        taken_back_before = log.read_text().count(taken_back)
+        killed = [_rank_1_pids(log.read_text())[-1]]
+        os.kill(killed[-1], signal.SIGKILL)  # between runs
+        _wait_for(lambda: "starting a new process for rank 1" in log.read_text(), 60, "rank 1 was not started again")
+        long = fed.submit_rpc("until-stopped", f"rounds = 100000\n{QUICK}")
+        _wait_for(lambda: store.get(long).status != "queued", 120, "the run did not start")
+        _wait_for(lambda: log.read_text().count(taken_back) > taken_back_before or store.get(long).status != "running",
+                  120, "the new rank 1 was not taken back")
+        then = store.get(long).round
+        _wait_for(lambda: store.get(long).round >= then + 2 or store.get(long).status != "running", 120,
+                  "the run stopped going on")
+        assert store.get(long).status == "running", store.get(long).reason
+        assert store.round_metrics(long)[-1]["ranks_live"] == 2
+
+        killed.append(_rank_1_pids(log.read_text())[-1])  # inside the run
+        assert killed[-1] != killed[0]
+        os.kill(killed[-1], signal.SIGKILL)
+        _wait_for(lambda: log.read_text().count(taken_back) > taken_back_before + 1, 120,
+                  "the new rank 1 was not taken back")
+        then = store.get(long).round
+        _wait_for(lambda: store.get(long).round >= then + 2, 120, "the run stopped going on")
+        assert store.get(long).status == "running"  # taken back within the run the kill fell in
+        assert store.round_metrics(long)[-1]["ranks_live"] == 2
+        assert _rank_1_pids(log.read_text())[-1] not in killed
+        assert "Traceback" not in log.read_text(), log.read_text()[-4000:]
+
+        ranks = started(fed.service.pid)
+        rank_0 = [p for p in ranks if p != _rank_1_pids(log.read_text())[-1]]
+        assert len(rank_0) == 1, ranks
+        os.kill(rank_0[0], signal.SIGKILL)
+        _wait_for(lambda: "resumed from checkpoint after round" in log.read_text(), 120, "the run did not resume")
+        then = store.get(long).round
+        # within the rounds' 60 s deadline: an agent whose channel to rank 1 still held the refusal it saw as the
+        # ranks died gave its update up as to a dead rank, and the first round after the restart waited out 60 s
+        _wait_for(lambda: store.get(long).round >= then + 2, 45, "the resumed run did not go on")
+        assert fed.run_here("stop", str(long)).returncode == 0  # the same control port, answering again
+        _wait_for(lambda: store.get(long).status == "stopped", 120, "the run did not stop")
+        assert store.round_metrics(long)[-1]["ranks_live"] == 2
+        text = log.read_text()
+        assert "aggregator ranks: rank 0 died (signal SIGKILL); starting every rank again (restart 1 of at most 3 " \
+               "an hour)" in text, text[-3000:]
+        assert f"run {long} was running when the service last ended: it resumes from its last checkpoint" in text
+
+        after = fed.submit_rpc("after", f"rounds = 2\n{QUICK}")
+        _wait_for(lambda: store.get(after).status in ("finished", "failed"), 240, "the run after did not end")
+        assert store.get(after).status == "finished", store.get(after).reason
+        rows = store.round_metrics(after)
+        assert [r["ranks_live"] for r in rows] == [2, 2], rows
+        assert sum(r["r1_uploads"] for r in rows) > 0, rows
+    finally:
+        fed.close()  # as the fixture would (which checks its exit code): no idle service through the other tests
+
+
 def test_a_corrupt_state_file_is_one_line_and_kept(tmp_path):
     state = tmp_path / "state.db"
     state.write_bytes(b"not a database\n" * 64)
@@ -315,71 +399,6 @@ def test_a_corrupt_state_file_is_one_line_and_kept(tmp_path):
     done = main_here("serve", "--state", str(state), "--certs", str(certs), "--port", "0", "--control-port", "0")
     _one_line_error(done, "is not a fedpar state database or is damaged")
     assert state.read_bytes() == b"not a database\n" * 64 and not (tmp_path / "state.db.lock").exists()
-
-
-KILL_SEED = int(os.environ.get("FEDPAR_KILL_SEED", "27"))
-# Flags the service is restarted with that differ from the first start's defaults: the runs keep the settings they
-# were submitted with (a resume under another model's flags would fail, and later rounds would train differently).
-RESTARTED_WITH = ("--model", "cnn", "--strategy", "fedprox", "--local-epochs", "1", "--lr", "0.5")
-
-
-def _rounds_intact(store: RunStore, when: str) -> None:
-    """Every run's rounds are 1..its round, each once, and none is past what its settings ask for."""
-    for run in store.runs():
-        rounds = [r["round"] for r in store.round_metrics(run.id)]
-        assert rounds == list(range(1, run.round + 1)) and run.round <= run.settings["rounds"], (when, run, rounds)
-
-
-def test_kill_9_at_seeded_random_moments_across_runs_loses_no_round_and_resumes(tmp_path):
-    import numpy as np
-
-    from fedpar.server.checkpoint import load_checkpoint
-    from fedpar.server.final_model import load_final_model
-
-    rng = random.Random(KILL_SEED)
-    fed = Federation(tmp_path, ((), ()), 2)
-    try:
-        store = RunStore(fed.state)
-        rounds_take_a_while = QUICK.replace("local_epochs = 1", "local_epochs = 4")  # a kill lands in one too
-        planned = {fed.submit_rpc("first", f'rounds = 4\nstrategy = "fedavg"\n{rounds_take_a_while}'): 4,
-                   fed.submit_rpc("second", f'rounds = 3\nstrategy = "fedadam"\n{rounds_take_a_while}'): 3}
-        # after how many finished rounds of all runs each kill comes (mid-run, at a run's end, in the next run),
-        # then somewhere in the next round, its checkpoint, or between runs
-        kills = [(after, rng.uniform(0.0, 0.3)) for after in sorted(rng.sample(range(1, sum(planned.values())), 2))]
-        history = []
-        for after, delay in kills:
-            _wait_for(lambda: sum(run.round for run in store.runs()) >= after, 240,
-                      f"{after} rounds did not complete (seed {KILL_SEED}, kills {kills}, so far {history})")
-            time.sleep(delay)
-            fed.service.kill()
-            fed.service.wait(10)
-            history.append({run.id: (run.status, run.round) for run in store.runs()})
-            _rounds_intact(store, f"after kill {len(history)} (seed {KILL_SEED}): {history}")
-            fed.service = _fedpar("serve", "--state", str(fed.state), "--certs", str(fed.certs), "--port",
-                                  str(fed.port), "--control-port", fed.control.rsplit(":", 1)[1], "--min-available",
-                                  "2", "--heartbeat", "1", *RESTARTED_WITH, log=fed.tmp / "serve.log")
-        last = max(planned)
-        _wait_for(lambda: store.get(last).status in ("finished", "failed", "stopped"), 240,
-                  f"the runs did not end after the restarts (seed {KILL_SEED}, kills {kills}: {history})")
-        _rounds_intact(store, f"at the end (seed {KILL_SEED}): {history}")
-        assert not [run for run in store.runs() if run.status == "running"]
-        for run_id, rounds in planned.items():
-            run = store.get(run_id)
-            assert (run.status, run.round) == ("finished", rounds), (KILL_SEED, history, run.reason)
-            assert (run.settings["model"], run.settings["local_epochs"], run.settings["learning_rate"]) == \
-                ("mlp", 4, 0.1), run.settings
-            names, arrays = load_final_model(Path(run.model_path))  # the model of its last round, as checkpointed
-            checkpoint = load_checkpoint(Path(run.out_dir) / "checkpoints")
-            assert checkpoint.round_id == rounds and names == checkpoint.names
-            assert all(np.array_equal(a, b) for a, b in zip(arrays, checkpoint.arrays))
-        resumed = [run_id for run_id in planned if any(h.get(run_id, ("",))[0] == "running" for h in history)]
-        lines = {run_id: [e for kind, _, e in store.timeline(run_id) if kind == "line"] for run_id in resumed}
-        assert all(any("resumes from its last checkpoint" in line for line in lines[r]) for r in resumed), lines
-        assert all(sum(") started: task" in line for line in lines[r]) == 1 and  # started once, then resumed
-                   any(") resumed: task" in line for line in lines[r]) for r in resumed), lines
-        assert all(agent.poll() is None for agent in fed.agents)  # the same agents throughout
-    finally:
-        fed.close()
 
 
 REFERENCE = ("--task", "fedpar.tasks.zoo:classifier", "--task-option", "model=mlp", "--task-option", "dataset=digits")
@@ -465,6 +484,39 @@ def test_the_one_shot_form_runs_its_flags_as_one_run_and_leaves_what_it_always_l
     assert "run 1" not in log  # the run store's lines are the service's, not this form's
 
 
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """One service on one aggregator rank, agent a1 alone at first: a run waiting for agents, then a2 joins for the
+    runs across which the agents' port stays serving, then the service is killed -9 at random moments (this order)."""
+    fed = Federation(tmp_path_factory.mktemp("one-rank"), ((),), 2)
+    yield fed
+    fed.close()
+
+
+def _two_agents_joined(fed: Federation) -> None:
+    """Start a2 if only a1 runs; return once both joined."""
+    if len(fed.agents) < 2:
+        fed.add_agent()
+    _wait_for(lambda: (fed.tmp / "serve.log").read_text().count(" joined with ") >= 2, 120, "the agents did not join")
+
+
+def test_a_run_waiting_for_agents_says_for_how_many_and_who_is_there(one_rank):
+    """A run needing two agents while one is joined says so, once on the service's stderr, until it is stopped."""
+    fed = one_rank
+    assert len(fed.agents) == 1  # one agent, and runs need 2
+    store = RunStore(fed.state)
+    _wait_for(lambda: " joined with " in (fed.tmp / "serve.log").read_text(), 120, "the agent did not join")
+    run_id = fed.submit_rpc("waits", f"rounds = 1\n{QUICK}")
+    said = f"run {run_id} waits for 2 agents with task 'mlp on digits': 1 connected with it now (a1), 1 connected"
+    _wait_for(lambda: any(said in entry for kind, _, entry in store.timeline(run_id) if kind == "line"), 90,
+              f"the run never said it waits: {store.timeline(run_id)}")
+    logs = fed.run_here("logs", str(run_id))
+    assert logs.returncode == 0 and said in logs.stdout, logs
+    assert fed.run_here("stop", str(run_id)).returncode == 0
+    _wait_for(lambda: store.get(run_id).status == "stopped", 60, "the run did not stop")
+    assert (fed.tmp / "serve.log").read_text().count(f"fedpar service: {said}") == 1  # once on the service's
+
+
 class HealthProbe:
     """grpc.health.v1 on the agents' port asked every 20 ms from a thread, over one channel: each answer's name
     (SERVING, NOT_SERVING, or the call's status code: UNAVAILABLE when nothing listens)."""
@@ -494,18 +546,18 @@ class HealthProbe:
         return self.answers
 
 
-def test_the_agents_port_stays_serving_and_the_agents_stay_joined_across_runs(tmp_path):
+def test_the_agents_port_stays_serving_and_the_agents_stay_joined_across_runs(one_rank):
     """idle -> run -> run -> idle: one gRPC server on the agents' port throughout, one registry of agents."""
-    fed = Federation(tmp_path, ((), ()), 2)
+    fed = one_rank
     probe = None
     try:
         store = RunStore(fed.state)
         log = fed.tmp / "serve.log"
-        _wait_for(lambda: log.read_text().count(" joined with ") >= 2, 120, "the agents did not join")
+        _two_agents_joined(fed)
         probe = HealthProbe(fed)
         time.sleep(1.0)  # idle
-        first = fed.submit_rpc("first", f'rounds = 2\nstrategy = "fedavg"\n{QUICK}')
-        second = fed.submit_rpc("second", f'rounds = 2\nstrategy = "fedadam"\n{QUICK}')
+        first = fed.submit_rpc("across-1", f'rounds = 2\nstrategy = "fedavg"\n{QUICK}')
+        second = fed.submit_rpc("across-2", f'rounds = 2\nstrategy = "fedadam"\n{QUICK}')
         _wait_for(lambda: store.get(second).status in ("finished", "failed", "stopped"), 240,
                   "the second run did not end")
         time.sleep(2.0)  # idle again
@@ -523,122 +575,71 @@ def test_the_agents_port_stays_serving_and_the_agents_stay_joined_across_runs(tm
     finally:
         if probe is not None:
             probe.close()
-        fed.close()
 
 
-def test_a_run_waiting_for_agents_says_for_how_many_and_who_is_there(tmp_path):
-    fed = Federation(tmp_path, ((),), 2)  # one agent, and runs need 2
-    try:
-        store = RunStore(fed.state)
-        _wait_for(lambda: " joined with " in (fed.tmp / "serve.log").read_text(), 120, "the agent did not join")
-        run_id = fed.submit_rpc("waits", f"rounds = 1\n{QUICK}")
-        said = f"run {run_id} waits for 2 agents with task 'mlp on digits': 1 connected with it now (a1), 1 connected"
-        _wait_for(lambda: any(said in entry for kind, _, entry in store.timeline(run_id) if kind == "line"), 90,
-                  f"the run never said it waits: {store.timeline(run_id)}")
-        logs = fed.run_here("logs", str(run_id))
-        assert logs.returncode == 0 and said in logs.stdout, logs
-        assert fed.run_here("stop", str(run_id)).returncode == 0
-        _wait_for(lambda: store.get(run_id).status == "stopped", 60, "the run did not stop")
-        assert (fed.tmp / "serve.log").read_text().count(f"fedpar service: {said}") == 1  # once on the service's
-    finally:
-        fed.close()
+KILL_SEED = int(os.environ.get("FEDPAR_KILL_SEED", "27"))
+# Flags the service is restarted with that differ from the first start's defaults: the runs keep the settings they
+# were submitted with (a resume under another model's flags would fail, and later rounds would train differently).
+RESTARTED_WITH = ("--model", "cnn", "--strategy", "fedprox", "--local-epochs", "1", "--lr", "0.5")
 
 
-def _rank_1_pids(log: str) -> list[int]:
-    return [int(pid) for pid in re.findall(r"aggregator rank 1 \(pid (\d+)\)", log)]
+def _rounds_intact(store: RunStore, when: str) -> None:
+    """Every run's rounds are 1..its round, each once, and none is past what its settings ask for."""
+    for run in store.runs():
+        rounds = [r["round"] for r in store.round_metrics(run.id)]
+        assert rounds == list(range(1, run.round + 1)) and run.round <= run.settings["rounds"], (when, run, rounds)
 
 
-def test_kill_9_of_rank_1_in_a_second_run_is_replaced_in_that_run_and_serves_the_next(tmp_path):
-    """Before, the replacement asked to join run 1 (whose rounds were done for good) and left: the service went on
-    with one rank. The second run runs until stopped, so the kill falls inside it whatever the machine's speed."""
-    fed = Federation(tmp_path, ((), ()), 2, "--aggregator-ranks", "2", "--aggregator-timeout", "30",
-                     *RANKS_ON_CPU)
-    log = tmp_path / "serve.log"
-    taken_back = "rank 1 taken back; going on with 2 of 2 ranks"
-    try:
-        store = RunStore(fed.state)
-        first = fed.submit_rpc("first", f"rounds = 1\n{QUICK}")
-        _wait_for(lambda: store.get(first).status in ("finished", "failed"), 240, "the first run did not end")
-        second = fed.submit_rpc("second", f"rounds = 100000\n{QUICK}")
-        _wait_for(lambda: store.get(second).round >= 1, 240, "the second run never completed a round")
-        killed = _rank_1_pids(log.read_text())[-1]
-        os.kill(killed, signal.SIGKILL)
-        _wait_for(lambda: taken_back in log.read_text(), 120, "the new rank 1 was not taken back")
-        then = store.get(second).round
-        _wait_for(lambda: store.get(second).round >= then + 2, 120, "the second run stopped going on")
-        assert store.get(second).status == "running"  # taken back within the run the kill fell in
-        assert fed.run_here("stop", str(second)).returncode == 0
-        _wait_for(lambda: store.get(second).status == "stopped", 120, "the second run did not stop")
-        third = fed.submit_rpc("third", f"rounds = 2\n{QUICK}")
-        _wait_for(lambda: store.get(third).status in ("finished", "failed"), 240, "the third run did not end")
-        assert store.get(third).status == "finished", store.get(third).reason
-        assert store.round_metrics(second)[-1]["ranks_live"] == 2
-        rows = store.round_metrics(third)
-        assert [r["ranks_live"] for r in rows] == [2, 2], rows
-        assert sum(r["r1_uploads"] for r in rows) > 0, rows
-        assert _rank_1_pids(log.read_text())[-1] != killed
-    finally:
-        fed.close()
-    text = log.read_text()
-    assert fed.service.returncode == 0, text[-3000:]
-    assert "Traceback" not in text, text[-4000:]
+def test_kill_9_at_seeded_random_moments_across_runs_loses_no_round_and_resumes(one_rank):
+    """The one-rank service killed -9 twice, at seeded moments across two runs, and started again with other flags:
+    no round is lost or repeated, each run resumes from its checkpoint with its own settings and finishes."""
+    import numpy as np
 
+    from fedpar.server.checkpoint import load_checkpoint
+    from fedpar.server.final_model import load_final_model
 
-def test_kill_9_of_rank_1_between_runs_costs_the_next_run_nothing(tmp_path):
-    """Rank 1 killed while no run ran: the next run's start failed ('RanksChanged: all-gather ... failed'), the group
-    having found out only then; now it goes on without the lost rank and takes its replacement back at a round."""
-    fed = Federation(tmp_path, ((), ()), 2, "--aggregator-ranks", "2", "--aggregator-timeout", "30",
-                     *RANKS_ON_CPU)
-    log = tmp_path / "serve.log"
-    try:
-        store = RunStore(fed.state)
-        first = fed.submit_rpc("first", f"rounds = 2\n{QUICK}")
-        _wait_for(lambda: store.get(first).status in ("finished", "failed"), 240, "the first run did not end")
-        os.kill(_rank_1_pids(log.read_text())[-1], signal.SIGKILL)
-        _wait_for(lambda: "starting a new process for rank 1" in log.read_text(), 60, "rank 1 was not started again")
-        second = fed.submit_rpc("second", f"rounds = 100000\n{QUICK}")
-        _wait_for(lambda: store.get(second).status != "queued", 120, "the second run did not start")
-        _wait_for(lambda: "rank 1 taken back; going on with 2 of 2 ranks" in log.read_text() or
-                  store.get(second).status != "running", 120, "the new rank 1 was not taken back")
-        then = store.get(second).round
-        _wait_for(lambda: store.get(second).round >= then + 2 or store.get(second).status != "running", 120,
-                  "the second run stopped going on")
-        assert store.get(second).status == "running", store.get(second).reason
-        assert store.round_metrics(second)[-1]["ranks_live"] == 2
-    finally:
-        fed.close()
-    assert fed.service.returncode == 0 and "Traceback" not in log.read_text(), log.read_text()[-3000:]
-
-
-def test_kill_9_of_rank_0_starts_every_rank_again_and_the_run_resumes(tmp_path):
-    """The service's rank 0 (which runs the runs, the control API and the agents' port) killed mid-run: its launcher
-    starts every rank again on the same ports, as it does for `serve --checkpoint-dir` (QA: the service exited 1,
-    asking the operator to start it again), and the run resumes from its last checkpoint."""
-    from support.ports import free_port_run
-
-    ports = free_port_run(3)  # rank 0, rank 1 (--port + 1), the control port
-    fed = Federation(tmp_path, ((), ()), 2, "--aggregator-ranks", "2", "--aggregator-timeout", "30", "--port",
-                     str(ports), "--control-port", str(ports + 2), *RANKS_ON_CPU)
-    log = tmp_path / "serve.log"
-    try:
-        store = RunStore(fed.state)
-        run = fed.submit_rpc("long", f"rounds = 100000\n{QUICK}")
-        _wait_for(lambda: store.get(run).round >= 2, 240, "the run never completed two rounds")
-        ranks = started(fed.service.pid)
-        rank_0 = [p for p in ranks if p != _rank_1_pids(log.read_text())[-1]]
-        assert len(rank_0) == 1, ranks
-        os.kill(rank_0[0], signal.SIGKILL)
-        _wait_for(lambda: "resumed from checkpoint after round" in log.read_text(), 120, "the run did not resume")
-        then = store.get(run).round
-        # within the rounds' 60 s deadline: an agent whose channel to rank 1 still held the refusal it saw as the
-        # ranks died gave its update up as to a dead rank, and the first round after the restart waited out 60 s
-        _wait_for(lambda: store.get(run).round >= then + 2, 45, "the resumed run did not go on")
-        assert fed.run_here("stop", str(run)).returncode == 0  # the same control port, answering again
-        _wait_for(lambda: store.get(run).status == "stopped", 120, "the run did not stop")
-    finally:
-        fed.close()
-    text = log.read_text()
-    assert "aggregator ranks: rank 0 died (signal SIGKILL); starting every rank again (restart 1 of at most 3 an " \
-           "hour)" in text, text[-3000:]
-    assert f"run {run} was running when the service last ended: it resumes from its last checkpoint" in text
-    assert fed.service.returncode == 0, text[-3000:]
+    rng = random.Random(KILL_SEED)
+    fed = one_rank  # the module's last test on it (its earlier runs have ended: their rounds count from here)
+    _two_agents_joined(fed)
+    store = RunStore(fed.state)
+    _wait_for(lambda: all(run.status not in ("queued", "running") for run in store.runs()), 240,
+              "the earlier tests' runs did not end")
+    earlier = sum(run.round for run in store.runs())
+    rounds_take_a_while = QUICK.replace("local_epochs = 1", "local_epochs = 4")  # a kill lands in one too
+    planned = {fed.submit_rpc("first", f'rounds = 4\nstrategy = "fedavg"\n{rounds_take_a_while}'): 4,
+               fed.submit_rpc("second", f'rounds = 3\nstrategy = "fedadam"\n{rounds_take_a_while}'): 3}
+    # after how many finished rounds of all runs each kill comes (mid-run, at a run's end, in the next run),
+    # then somewhere in the next round, its checkpoint, or between runs
+    kills = [(after, rng.uniform(0.0, 0.3)) for after in sorted(rng.sample(range(1, sum(planned.values())), 2))]
+    history = []
+    for after, delay in kills:
+        _wait_for(lambda: sum(run.round for run in store.runs()) - earlier >= after, 240,
+                  f"{after} rounds did not complete (seed {KILL_SEED}, kills {kills}, so far {history})")
+        time.sleep(delay)
+        fed.service.kill()
+        fed.service.wait(10)
+        history.append({run.id: (run.status, run.round) for run in store.runs()})
+        _rounds_intact(store, f"after kill {len(history)} (seed {KILL_SEED}): {history}")
+        fed.service = _fedpar("serve", "--state", str(fed.state), "--certs", str(fed.certs), "--port",
+                              str(fed.port), "--control-port", fed.control.rsplit(":", 1)[1], "--min-available",
+                              "2", "--heartbeat", "1", *RESTARTED_WITH, log=fed.tmp / "serve.log")
+    last = max(planned)
+    _wait_for(lambda: store.get(last).status in ("finished", "failed", "stopped"), 240,
+              f"the runs did not end after the restarts (seed {KILL_SEED}, kills {kills}: {history})")
+    _rounds_intact(store, f"at the end (seed {KILL_SEED}): {history}")
+    assert not [run for run in store.runs() if run.status == "running"]
+    for run_id, rounds in planned.items():
+        run = store.get(run_id)
+        assert (run.status, run.round) == ("finished", rounds), (KILL_SEED, history, run.reason)
+        assert (run.settings["model"], run.settings["local_epochs"], run.settings["learning_rate"]) == \
+            ("mlp", 4, 0.1), run.settings
+        names, arrays = load_final_model(Path(run.model_path))  # the model of its last round, as checkpointed
+        checkpoint = load_checkpoint(Path(run.out_dir) / "checkpoints")
+        assert checkpoint.round_id == rounds and names == checkpoint.names
+        assert all(np.array_equal(a, b) for a, b in zip(arrays, checkpoint.arrays))
+    resumed = [run_id for run_id in planned if any(h.get(run_id, ("",))[0] == "running" for h in history)]
+    lines = {run_id: [e for kind, _, e in store.timeline(run_id) if kind == "line"] for run_id in resumed}
+    assert all(any("resumes from its last checkpoint" in line for line in lines[r]) for r in resumed), lines
+    assert all(sum(") started: task" in line for line in lines[r]) == 1 and  # started once, then resumed
+               any(") resumed: task" in line for line in lines[r]) for r in resumed), lines
+    assert all(agent.poll() is None for agent in fed.agents)  # the same agents throughout
