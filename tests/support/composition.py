@@ -3,6 +3,7 @@ tests/test_composition_runs.py run: the factors and their flags, the cover, and 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import json
@@ -55,7 +56,13 @@ def refused(case: dict[str, str]) -> str | None:
 
 def allowed(case: dict[str, str]) -> bool:
     """Whether a (partial) case runs: no refused pair in it, and no pending one."""
-    full = {f: case.get(f, next(iter(levels))) for f, levels in FACTORS.items()}
+    return _allowed(frozenset(case.items()))
+
+
+@functools.cache  # the greedy cover asks of the same partial cases again and again (seconds at every collection)
+def _allowed(levels: frozenset[tuple[str, str]]) -> bool:
+    case = dict(levels)
+    full = {f: case.get(f, next(iter(each))) for f, each in FACTORS.items()}
     pairs = {frozenset(p) for p in itertools.combinations(case.items(), 2)}
     return refused(full) is None and not pairs & PENDING.keys()
 
@@ -87,11 +94,22 @@ def _greedy_cover(pairs: list[dict[str, str]], rng: random.Random) -> list[dict[
             if f in case:
                 continue
             options = [v for v in FACTORS[f] if allowed({**case, f: v})]
-            case[f] = max(options, key=lambda v: (sum(all({**case, f: v}.get(k) == x for k, x in p.items())
-                                                      for p in uncovered), v == next(iter(FACTORS[f]))))
+            gained = _pairs_gained(case, f, uncovered)
+            case[f] = max(options, key=lambda v: (gained.get(v, 0), v == next(iter(FACTORS[f]))))
         cases.append({f: case[f] for f in FACTORS})
         uncovered = [p for p in uncovered if not all(case[k] == v for k, v in p.items())]
     return cases
+
+
+def _pairs_gained(case: dict[str, str], factor: str, pairs: list[dict[str, str]]) -> dict[str, int]:
+    """For each level of ``factor`` (not yet in the partial case), how many more of ``pairs`` the case would hold
+    both levels of with it: the pairs of that level and a level the case has (the others it holds or not whatever
+    the level, so they do not change which level covers most)."""
+    gained: dict[str, int] = {}
+    for pair in pairs:
+        if factor in pair and all(case.get(k) == x for k, x in pair.items() if k != factor):
+            gained[pair[factor]] = gained.get(pair[factor], 0) + 1
+    return gained
 
 
 RUNS, REFUSALS = covering_cases()
