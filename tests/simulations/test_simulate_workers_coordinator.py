@@ -52,32 +52,11 @@ def _stop(*procs: subprocess.Popen) -> None:
             proc.wait()
 
 
-def test_a_worker_stopped_by_sigterm_leaves_and_the_round_stops_waiting_for_its_members(tmp_path):
-    serve, server = _serve(tmp_path, "--min-available", "10", "--clients-per-round", "5", "--rounds", "3",
-                           "--deadline", "120", "--local-epochs", "1")
-    # slow members (0.2 s a step, about 2 s a member, one at a time): the round is open when the worker is stopped,
-    # and the member training then ends soon (the worker leaves once its seat's task ends)
-    worker = _worker(tmp_path, server, "--clients", "10", "--seats", "1", "--slow-fraction", "1",
-                     "--slow-step-delay", "0.2")
-    try:
-        _wait_for(tmp_path / "serve.log", "round 1: sampled", 60)
-        time.sleep(1)
-        worker.send_signal(signal.SIGTERM)
-        assert worker.wait(60) == 128 + signal.SIGTERM
-        stopped = time.monotonic()
-        log = _wait_for(tmp_path / "serve.log", "went silent before answering", 30)
-        assert time.monotonic() - stopped < 30  # not --deadline's 120 s
-        assert "simulation host host-0-of-1 left, with its 10 members" in log
-        _wait_for(tmp_path / "serve.log", "waiting for 10 agents", 30)  # round 2 samples no departed member
-        assert "round 2: sampled" not in (tmp_path / "serve.log").read_text()
-    finally:
-        _stop(worker, serve)
-
-
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
-def test_a_worker_stopped_by_a_signal_mid_task_exits_at_once_not_after_its_seats_tasks(tmp_path, stop):
+def test_a_worker_stopped_by_a_signal_mid_task_exits_at_once_and_its_round_stops_waiting(tmp_path, stop):
     """It left the coordinator at once, then waited for the task each seat was on (up to a minute a seat) before
-    it exited: here about half a member's 30 s."""
+    it exited: here about half a member's 30 s; the open round, told the worker left, stops waiting for its members
+    (it waited out --deadline, then sampled them again)."""
     serve, server = _serve(tmp_path, "--min-available", "4", "--clients-per-round", "4", "--rounds", "2",
                            "--deadline", "300", "--local-epochs", "1")
     # very slow members (3 s a step, about 10 steps each): both seats are mid-task when the worker is stopped
@@ -94,14 +73,19 @@ def test_a_worker_stopped_by_a_signal_mid_task_exits_at_once_not_after_its_seats
         assert took < 8, (took, log[-3000:])
         assert log.splitlines()[-1] == "fedpar simulate-workers: interrupted", log[-3000:]
         assert "Traceback" not in log and "failed" not in log, log[-3000:]
-        assert "simulation host host-0-of-1 left, with its 4 members" in _wait_for(tmp_path / "serve.log", "left", 30)
+        log = _wait_for(tmp_path / "serve.log", "went silent before answering", 30)
+        assert time.monotonic() - stopped < 30  # not --deadline's 300 s
+        assert "simulation host host-0-of-1 left, with its 4 members" in log
+        _wait_for(tmp_path / "serve.log", "waiting for 4 agents", 30)  # round 2 samples no departed member
+        assert "round 2: sampled" not in (tmp_path / "serve.log").read_text()
     finally:
         _stop(worker, serve)
 
 
 def test_a_worker_says_its_coordinator_is_gone_and_a_routine_run_ends_without_a_warning(tmp_path):
+    """A routine overselected run ends with no warning on the worker; a coordinator stopped mid-run is said once."""
     serve, server = _serve(tmp_path, "--min-available", "20", "--clients-per-round", "10", "--rounds", "2",
-                           "--overselect", "1.5")
+                           "--overselect", "1.5", "--local-epochs", "1")
     worker = _worker(tmp_path, server, "--clients", "20")
     try:
         assert worker.wait(120) == 0, (tmp_path / "worker.log").read_text()
@@ -109,7 +93,7 @@ def test_a_worker_says_its_coordinator_is_gone_and_a_routine_run_ends_without_a_
         log = (tmp_path / "worker.log").read_text()
         assert "WARNING" not in log and "were refused" not in log, log
         (tmp_path / "port").unlink()
-        serve, server = _serve(tmp_path, "--min-available", "20", "--rounds", "50")
+        serve, server = _serve(tmp_path, "--min-available", "20", "--rounds", "50", "--local-epochs", "1")
         worker = _worker(tmp_path, server, "--clients", "20")
         _wait_for(tmp_path / "serve.log", "round 2: sampled", 60)
         serve.send_signal(signal.SIGINT)
