@@ -21,7 +21,7 @@ from pathlib import Path
 from support.processes import descendants, started
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUNDS = 50  # paced by --slow-step-delay: a replacement rank may come back before the last
+ROUNDS = 30  # paced by --slow-step-delay: a replacement rank may come back before the last (15 after a loss)
 LOST_WITHIN = 8.0  # seconds from a rank's kill -9 or SIGSTOP to rank 0's line (3 s of silence, on a loaded box)
 SEED = int(os.environ.get("FEDPAR_RANK_LOSS_SEED") or secrets.randbelow(10**6))  # printed: a failure replays
 
@@ -121,12 +121,12 @@ def test_replacements_that_die_asking_or_while_taken_back_are_replaced_and_cost_
     the third replacement back is done. Before, each take-back waited
     --aggregator-timeout (60 s here; 120 by default) for the dead process (failing the round it opened), and rank 2
     never came back. Now rank 0 drops a dead request, gives a take-back up once a joining replacement's process ends,
-    starts another replacement each time, and takes the third back. Rounds of about 5 s (--slow-step-delay) leave
+    starts another replacement each time, and takes the third back. Rounds of about 2 s (--slow-step-delay) leave
     each kill time to land before the next round opens."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", "--aggregator-ranks", "3", "--clients", "6",
            "--workers", "1", "--rounds", "12", "--local-epochs", "1", "--aggregator-timeout", "60", "--deadline", "12",
-           "--seed", "3", "--slow-fraction", "1", "--slow-step-delay", "0.25", "--log-level", "info",
+           "--seed", "3", "--slow-fraction", "1", "--slow-step-delay", "0.12", "--log-level", "info",
            "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
