@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from support.in_process import run_main
+from support.in_process import main_here, run_main
 
 FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
 
@@ -36,10 +36,10 @@ def _train_here(args: list[str], cwd: Path, capfd) -> tuple[int, list[str]]:
 
 @pytest.mark.parametrize("written, table", [("[train]\nmodel_kwargs = 3\n", "[train.model_kwargs]"),
                                             ("model_kwargs = [1, 2]\n", "[model_kwargs]")])
-def test_model_kwargs_in_a_config_file_that_is_no_table_is_one_line(written, table, tmp_path):
+def test_model_kwargs_in_a_config_file_that_is_no_table_is_one_line(written, table, tmp_path, capfd):
     """It was a TypeError's traceback, exit 1."""
     (tmp_path / "run.toml").write_text(written)
-    code, lines = _train(["--config", "run.toml", "--out", "out"], tmp_path)
+    code, lines = _train_here(["--config", "run.toml", "--out", "out"], tmp_path, capfd)
     assert (code, len(lines)) == (2, 1), lines
     assert lines[0].startswith(f"fedpar train: run.toml: model_kwargs: expected a table ({table} with a KEY = VALUE "
                                "line each), got "), lines
@@ -47,16 +47,17 @@ def test_model_kwargs_in_a_config_file_that_is_no_table_is_one_line(written, tab
 
 
 @pytest.mark.parametrize("nproc", ["1", "2"])
-def test_an_out_folder_that_cannot_be_made_is_one_line_and_exit_2(nproc, tmp_path):
+def test_an_out_folder_that_cannot_be_made_is_one_line_and_exit_2(nproc, tmp_path, capfd):
     """It was exit 1, not naming --out ('No such file or directory: x in folder /proc; check the path')."""
-    code, lines = _train(["--nproc", nproc, "--out", "/proc/x"], tmp_path)
+    code, lines = _train_here(["--nproc", nproc, "--out", "/proc/x"], tmp_path, capfd)
     assert (code, len(lines)) == (2, 1), lines
     assert lines[0].startswith("fedpar train: --out /proc/x: cannot make the folder: No such file or directory"), lines
 
 
-def test_a_second_run_into_the_out_of_a_running_one_is_refused_and_mixes_nothing_into_it(tmp_path):
+def test_a_second_run_into_the_out_of_a_running_one_is_refused_and_mixes_nothing_into_it(tmp_path, capfd):
     """Both ran: the second cut the first's metrics.jsonl and each appended its rows to the other's, and the last to
-    end left its summary beside the other's model."""
+    end left its summary beside the other's model. The first is a process of its own; the second, refused, runs here
+    (capfd holds the first's output on a pipe of its own, apart)."""
     first = subprocess.Popen([*FEDPAR, "train", "--max-steps", "100000", "--log-every", "1", "--device", "cpu",
                               "--no-plot", "--out", "out"], cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -64,7 +65,7 @@ def test_a_second_run_into_the_out_of_a_running_one_is_refused_and_mixes_nothing
         for line in first.stdout:
             if "training mlp on digits" in line:
                 break
-        code, lines = _train(["--model", "cnn", "--out", "out"], tmp_path)
+        code, lines = _train_here(["--model", "cnn", "--out", "out"], tmp_path, capfd)
         first.send_signal(signal.SIGINT)
         first.communicate(timeout=60)
     finally:
@@ -135,11 +136,11 @@ def test_a_task_that_fails_as_it_trains_keeps_the_earlier_runs_outputs(tmp_path,
 
 
 @pytest.mark.parametrize("nproc", ["1", "2"])
-def test_a_file_where_the_checkpoints_go_is_one_line_before_any_rank_starts(nproc, tmp_path):
+def test_a_file_where_the_checkpoints_go_is_one_line_before_any_rank_starts(nproc, tmp_path, capfd):
     """Each rank failed at its first checkpoint with NotADirectoryError's traceback, exit 1."""
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "checkpoints").write_text("not a folder\n")
-    code, lines = _train(["--checkpoint-every", "1", "--nproc", nproc, "--out", "out"], tmp_path)
+    code, lines = _train_here(["--checkpoint-every", "1", "--nproc", nproc, "--out", "out"], tmp_path, capfd)
     assert (code, len(lines)) == (2, 1), lines
     assert lines[0].startswith("fedpar train: --checkpoint-every 1: out/checkpoints, where the checkpoints are kept, "
                                "is a file, not a folder; move it away, or give another --out"), lines
@@ -189,9 +190,13 @@ def test_a_zoo_run_into_the_out_of_a_task_run_with_checkpoints_says_to_resume_it
      "the environment's RANK=2, WORLD_SIZE=2, MASTER_PORT=1 make no group (RANK must be 0 to WORLD_SIZE - 1, "
      "MASTER_PORT 1 to 65535); launch 'fedpar train' with torchrun, or unset WORLD_SIZE, RANK, MASTER_ADDR, "
      "MASTER_PORT")])
-def test_torchruns_variables_left_in_the_shell_are_one_line_saying_what_to_unset(env, said, tmp_path):
-    """They were a RuntimeError's traceback from init_distributed (exit 1), after --out was made."""
-    code, lines = _train(["--out", "out"], tmp_path, env)
+def test_torchruns_variables_left_in_the_shell_are_one_line_saying_what_to_unset(env, said, tmp_path, capfd,
+                                                                                monkeypatch):
+    """They were a RuntimeError's traceback from init_distributed (exit 1), after --out was made. Refused before any
+    group is joined: fedpar's main here, with the variables in this process's environment."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, lines = _train_here(["--out", "out"], tmp_path, capfd)
     assert (code, lines) == (2, [f"fedpar train: {said}"]), lines
     assert not (tmp_path / "out").exists()
 
@@ -213,11 +218,11 @@ def test_a_torchrun_rank_whose_group_never_forms_is_one_line_and_exit_2(task, tm
     assert "Traceback" not in "\n".join(lines)
 
 
-def test_a_config_file_that_spells_a_table_option_as_its_flag_is_told_the_table(tmp_path):
+def test_a_config_file_that_spells_a_table_option_as_its_flag_is_told_the_table(tmp_path, capfd):
     """`task_option = "csv=..."`, as --task-option is spelled, was 'unknown option task_option' with no hint: the
     option it meant, task_options, was left out of the guesses for taking a table."""
     (tmp_path / "run.toml").write_text('[train]\ntask = "tasks.py:task"\ntask_option = "classes=3"\n')
-    code, lines = _train(["--config", "run.toml", "--out", "out"], tmp_path)
+    code, lines = _train_here(["--config", "run.toml", "--out", "out"], tmp_path, capfd)
     assert (code, lines) == (2, ["fedpar train: run.toml: unknown option(s) for 'train': task_option (did you mean "
                                  "task_options, a table with a KEY = VALUE line each?); run 'fedpar train --help' for "
                                  "the valid ones"]), lines
@@ -303,8 +308,9 @@ def test_a_fresh_run_killed_after_its_first_row_is_not_resumed_from_the_earlier_
 def test_a_fresh_run_stopped_after_its_checkpoint_says_to_resume_it_without_no_resume(tmp_path):
     """It said 'the same command resumes from its checkpoint', but the same command, --no-resume and all, starts
     afresh again."""
+    # a checkpoint soon (a stop that lands in a save keeps the last complete one, and says so as well)
     run = subprocess.Popen([*FEDPAR, "train", "--max-steps", "100000", "--log-every", "100000", "--checkpoint-every",
-                            "5000", "--no-resume", "--batch-size", "1", "--device", "cpu", "--out", "out"], cwd=tmp_path,
+                            "50", "--no-resume", "--batch-size", "1", "--device", "cpu", "--out", "out"], cwd=tmp_path,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -320,20 +326,27 @@ def test_a_fresh_run_stopped_after_its_checkpoint_says_to_resume_it_without_no_r
         f"; the same command without --no-resume resumes from its checkpoint {latest}"), err
 
 
-def test_the_help_of_out_does_not_say_a_pipeline_keeps_its_model_only_in_its_checkpoints(tmp_path):
+@pytest.fixture(scope="module")
+def train_help() -> str:
+    """What `fedpar train --help` prints (by fedpar's main here), one line an option."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLUMNS", "1000")
+        done = main_here("train", "--help")
+    assert done.returncode == 0 and done.stderr == "", done
+    return done.stdout
+
+
+def test_the_help_of_out_does_not_say_a_pipeline_keeps_its_model_only_in_its_checkpoints(train_help):
     """It said 'with --pp its model only there' (in OUT/checkpoints), though a pipeline's stages are gathered into
     OUT/global.safetensors as every run's model is: a --pp user looked for the model in the checkpoints."""
-    done = subprocess.run([*FEDPAR, "train", "--help"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "COLUMNS": "1000"})  # one line an option
-    said = next(line for line in done.stdout.splitlines() if line.strip().startswith("--out DIR"))
+    said = next(line for line in train_help.splitlines() if line.strip().startswith("--out DIR"))
     assert "final model (train: also its checkpoints);" in said and "--pp" not in said, said
 
 
-def test_a_bare_synthetic_dataset_trains_on_the_default_federation_as_the_help_offers(tmp_path, capfd):
+def test_a_bare_synthetic_dataset_trains_on_the_default_federation_as_the_help_offers(train_help, tmp_path, capfd):
     """--help offered synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]], but plain synthetic (and synthetic:iid) was refused
     for lacking CLIENTS, exit 2: train pools the clients, so a bare name is the generator's default of 100."""
-    shown = subprocess.run([*FEDPAR, "train", "--help"], capture_output=True, text=True, timeout=60).stdout
-    assert "synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]" in " ".join(shown.split()), shown
+    assert "synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]" in " ".join(train_help.split()), train_help
     results = {}
     for name in ("synthetic", "synthetic:0.5:0.5:100", "synthetic:iid"):
         out = name.replace(":", "-")
