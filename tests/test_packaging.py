@@ -80,8 +80,8 @@ def installed(tmp_path_factory) -> SimpleNamespace:
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120)
     # PYTHONDONTWRITEBYTECODE too (set on some machines): with --no-compile below, each command would compile all of
     # torch it imports again (seconds each); a user's Python writes the bytecode of the first command for the next
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP",
-                                                             "VIRTUAL_ENV", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV",
+                                                             "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # as `source venv/bin/activate` sets it
     env["OMP_NUM_THREADS"] = "1"
     torch = f"torch=={version('torch').split('+')[0]}"  # this machine's build (pip's find-links hold the wheel)
