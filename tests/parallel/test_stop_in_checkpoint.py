@@ -33,8 +33,8 @@ def test_a_stop_is_rebuilt_as_itself(stop, rebuild):
     assert type(again) is type(stop) and again.args == stop.args and again.__dict__ == stop.__dict__
 
 
-# One process in a one-rank gloo group (as `fedpar train` on one process): a checkpoint at step 1, then the signal
-# raised from within DCP, at the step named by argv[1]
+# One process in a one-rank gloo group (as `fedpar train` on one process), for each WHERE:SIGNAL of its argv in turn: a
+# checkpoint at step 1, then the signal raised from within DCP, at the step named by WHERE; a line for each
 INSIDE_DCP = """
 import signal, sys, tempfile
 from pathlib import Path
@@ -43,49 +43,66 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from fedpar.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fedpar.parallel.stopping import StopRequested, stop_on_signals
 
-where, signum = sys.argv[1], signal.Signals[sys.argv[2]]
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-model = torch.nn.Linear(3, 2)
-optimizer = torch.optim.Adam(model.parameters())
-model(torch.ones(1, 3)).sum().backward()
-optimizer.step()
-folder = Path(tempfile.mkdtemp())
-save_checkpoint(folder, [model], [optimizer], {"step": 1})
-kind, name = {"write": (FileSystemWriter, "write_data"), "metadata": (FileSystemWriter, "finish"),
-              "load": (FileSystemReader, "read_data"), "swallowed": (FileSystemWriter, "write_data")}[where]
-original = getattr(kind, name)
+for case in sys.argv[1:]:
+    where, signame = case.split(":")
+    signum = signal.Signals[signame]
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    folder = Path(tempfile.mkdtemp())
+    save_checkpoint(folder, [model], [optimizer], {"step": 1})
+    kind, name = {"write": (FileSystemWriter, "write_data"), "metadata": (FileSystemWriter, "finish"),
+                  "load": (FileSystemReader, "read_data"), "swallowed": (FileSystemWriter, "write_data")}[where]
+    original = getattr(kind, name)
 
-def stopped(self, *args, **kwargs):
-    if where == "swallowed":  # raised in a write torch's C++ zip writer calls back, it comes out as that write's error
-        try:
-            signal.raise_signal(signum)
-        except KeyboardInterrupt:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
-    signal.raise_signal(signum)  # its handler runs as this returns, inside DCP
-    return original(self, *args, **kwargs)
+    def stopped(self, *args, **kwargs):
+        if where == "swallowed":  # raised in a write torch's C++ zip writer calls back, it comes out as its error
+            try:
+                signal.raise_signal(signum)
+            except KeyboardInterrupt:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+        signal.raise_signal(signum)  # its handler runs as this returns, inside DCP
+        return original(self, *args, **kwargs)
 
-setattr(kind, name, stopped)
-try:
-    with stop_on_signals():
-        if where == "load":
-            load_checkpoint(folder / "step-00000001", [model], [optimizer])
-        else:
-            save_checkpoint(folder, [model], [optimizer], {"step": 2})
-    print("went on")
-except StopRequested as stop:
-    print("stopped by", signal.Signals(stop.signum).name, "latest", latest_checkpoint(folder).name)
+    setattr(kind, name, stopped)
+    try:
+        with stop_on_signals():
+            if where == "load":
+                load_checkpoint(folder / "step-00000001", [model], [optimizer])
+            else:
+                save_checkpoint(folder, [model], [optimizer], {"step": 2})
+        print(case, "went on", flush=True)
+    except StopRequested as stop:
+        print(case, "stopped by", signal.Signals(stop.signum).name, "latest", latest_checkpoint(folder).name,
+              flush=True)
+    finally:
+        setattr(kind, name, original)
 """
+DCP_STOPS = {"writing-shards": "write:SIGINT", "writing-metadata": "metadata:SIGTERM", "loading": "load:SIGINT",
+             "swallowed-by-torch-save": "swallowed:SIGTERM"}
 
 
-@pytest.mark.parametrize("where,signame", [("write", "SIGINT"), ("metadata", "SIGTERM"), ("load", "SIGINT"),
-                                           ("swallowed", "SIGTERM")],
-                         ids=["writing-shards", "writing-metadata", "loading", "swallowed-by-torch-save"])
-def test_a_stop_inside_dcp_is_raised_as_itself_and_latest_stays_on_the_complete_checkpoint(where, signame):
+@pytest.fixture(scope="module")
+def stopped_inside_dcp() -> tuple[dict[str, str], str]:
+    """Each case of DCP_STOPS run by INSIDE_DCP in one process (a start of torch.distributed each cost seconds): its
+    line by case, and what the process wrote to stderr."""
+    done = subprocess.run([sys.executable, "-c", INSIDE_DCP, *DCP_STOPS.values()], capture_output=True, text=True,
+                          timeout=120)
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    return lines, done.stderr
+
+
+@pytest.mark.parametrize("case", list(DCP_STOPS))
+def test_a_stop_inside_dcp_is_raised_as_itself_and_latest_stays_on_the_complete_checkpoint(case, stopped_inside_dcp):
+    """A stop signal raised inside DCP's write, metadata, load, or a write torch's zip writer swallows: the stop
+    itself comes out, and ``latest`` stays on the complete checkpoint."""
     # DCP catches what each step raises (BaseException) and gathers it from every rank: a stop came out as a
     # CheckpointException (on load: "checkpoint could not be read", exit 2), when its pickling did not fail first
-    done = subprocess.run([sys.executable, "-c", INSIDE_DCP, where, signame], capture_output=True, text=True,
-                          timeout=120)
-    assert done.stdout.strip() == f"stopped by {signame} latest step-00000001", (done.stdout, done.stderr)
+    lines, err = stopped_inside_dcp
+    signame = DCP_STOPS[case].split(":")[1]
+    assert lines.get(DCP_STOPS[case]) == f"stopped by {signame} latest step-00000001", (lines, err)
 
 
 def test_train_stopped_as_it_keeps_a_checkpoint_every_step_stops_in_one_line_and_resumes(tmp_path):
