@@ -29,9 +29,9 @@ from support.gated_trainer import GatedTrainer
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE = 60.0  # the rounds here close within seconds of a restart: none waits this out
 HOST = "host-0-of-1"  # a launch without torchrun is rank 0 of 1
-# an agent's training, seconds of it, outlasts the kill that comes 0.3 s into it; every member trains it, the held
-# back ones too, so more only makes the round longer
-LONG_EPOCHS = 100
+# an agent's training, seconds of it (~2.5 s on a loaded 2-core box), outlasts the kill that comes 0.3 s into it; every
+# member trains it, the held back ones too, so more only makes the round longer (and costs CPU)
+LONG_EPOCHS = 40
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
