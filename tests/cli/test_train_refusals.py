@@ -209,11 +209,11 @@ def test_a_torchrun_rank_whose_group_never_forms_is_one_line_and_exit_2(task, tm
         port = probe.getsockname()[1]
     (tmp_path / "tasks.py").write_text(TASKS)
     chosen = ["--task", "tasks.py:task"] if task else []
-    code, lines = _train([*chosen, "--dist-timeout", "2", "--out", "out"], tmp_path,
+    code, lines = _train([*chosen, "--dist-timeout", "1", "--out", "out"], tmp_path,
                          {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert (code, len(lines)) == (2, 1), lines
     assert lines[0].startswith(f"fedpar train: rank 1 of 2: the other ranks did not all meet at 127.0.0.1:{port} "
-                               "within 2 s; start every rank (torchrun on each node, the same --nnodes, --master-addr "
+                               "within 1 s; start every rank (torchrun on each node, the same --nnodes, --master-addr "
                                "and --master-port), or unset WORLD_SIZE for one process"), lines
     assert "Traceback" not in "\n".join(lines)
 
