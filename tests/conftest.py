@@ -1,8 +1,17 @@
-"""The longest test files start first: `make test` gives pytest-xdist's workers whole files in collection order
+"""The suite's processes share one bytecode cache, and the longest test files start first: `make test` gives pytest-xdist's workers whole files in collection order
 (--dist loadfile --no-loadscope-reorder), so the long ones are shared out while the many short ones fill the gaps,
 and the two workers finish together instead of one running a long file alone at the end."""
 
 from __future__ import annotations
+
+import os
+import sys
+
+# Some machines (this project's among them) set PYTHONDONTWRITEBYTECODE: every fedpar process a test starts would
+# then compile fedpar's modules from source again (about 0.5 s of CPU each, for hundreds of processes). The suite's
+# processes share one bytecode cache instead (__pycache__ is git-ignored).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # The files with the most wall time, longest first (from `--durations=0` of a whole run, 2026-11-26, less what that
 # day's in-process refusals saved; a file not listed keeps its place after them). A stale order costs only balance,
