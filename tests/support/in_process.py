@@ -57,19 +57,39 @@ def logging_as_a_fresh_process() -> Iterator[None]:
             handler.stream = stream
 
 
+def flushes_denormals() -> bool:
+    """Whether torch flushes denormal floats to zero in this process now (torch can set it, not say it)."""
+    import torch
+
+    return (torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() == 0.0
+
+
+@contextlib.contextmanager
+def torch_state_put_back() -> Iterator[None]:
+    """torch's thread count and denormal flushing as they were, after a command's main ran here: a command sets
+    them for its own process (client --threads, fedpar.parallel.device.flush_denormals), which would change what
+    later tests in this worker compute."""
+    import torch
+
+    threads, flushing = torch.get_num_threads(), flushes_denormals()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(flushing)
+
+
 def run_main(argv: list[str], capfd, cwd: Path | str | None = None) -> subprocess.CompletedProcess:
     """`fedpar ARGV` by its main in this process, from ``cwd``: its exit code, and what it and the processes it
     started wrote to stdout and stderr (file descriptors 1 and 2, captured by ``capfd``, its log included), as a
     subprocess's would be (a SystemExit, as argparse's refusal of an option raises, gives its code). The torch
-    threads a command sets for itself (client --threads) are put back after, and so are the environment and the
-    signal handler it sets (:func:`environment_put_back`)."""
-    import torch
-
+    threads and denormal flushing a command sets for itself are put back after (:func:`torch_state_put_back`), and
+    so are the environment and the signal handler it sets (:func:`environment_put_back`)."""
     from fedpar.cli.main import main
 
     capfd.readouterr()
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp, logging_as_a_fresh_process(), environment_put_back():
+    with pytest.MonkeyPatch.context() as mp, logging_as_a_fresh_process(), environment_put_back(), \
+            torch_state_put_back():
         if cwd is not None:
             mp.chdir(cwd)
         try:
@@ -78,8 +98,6 @@ def run_main(argv: list[str], capfd, cwd: Path | str | None = None) -> subproces
             code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
             if isinstance(exc.code, str):
                 print(exc.code, file=sys.stderr)
-        finally:
-            torch.set_num_threads(threads)
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess(["fedpar", *argv], code, out, err)
 
@@ -87,13 +105,14 @@ def run_main(argv: list[str], capfd, cwd: Path | str | None = None) -> subproces
 def main_here(*argv: str) -> subprocess.CompletedProcess:
     """`fedpar ARGV` run by its main in this process, without pytest's capture: its exit code (a usage error's
     SystemExit too) and what it printed, as a finished process's (the environment put back after, as by
-    :func:`run_main`)."""
+    :func:`run_main`, and torch's threads and denormal flushing)."""
     import io
 
     from fedpar.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), environment_put_back():
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), environment_put_back(), \
+            torch_state_put_back():
         try:
             code = main(list(argv))
         except SystemExit as exc:
