@@ -27,12 +27,12 @@ venv: $(VENV)/.installed
 simulate: $(VENV)/.installed
 	$(VENV)/bin/fedpar simulate --clients 10 --rounds 10 --dataset digits --partition iid --out runs/digits
 
-# Two pytest-xdist workers, each taking whole test files (a module's shared service stays in one worker): on 2 cores
-# they keep both busy (the tests' CPU, mostly real processes starting and training, is about 3/4 of their time):
-# 626-718 s for 2,279-2,282 tests in three clean-clone CIs on 2026-11-28 (863 s before that day's commands run in the
-# tests' own process). The files go out in collection order, which tests/conftest.py makes longest first (not xdist's
+# Three pytest-xdist workers, each taking whole test files (a module's shared service stays in one worker): the tests
+# spend a third of their time waiting (deadlines, processes starting), so on 2 cores two workers left the CPU idle that
+# long (1,233 s wall, 1,635 s CPU for 2,404 tests on 2026-11-28) and three fill it (1,058 s wall, 1,585 s CPU, the same
+# day and machine). The files go out in collection order, which tests/conftest.py makes longest first (not xdist's
 # most-tests-first).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
