@@ -813,7 +813,9 @@ def test_a_run_that_could_not_resume_is_tried_again_at_the_services_next_start(t
     serve = ["serve", "--state", str(state), "--certs", str(certs), "--port", "0", "--control-port", "0"]
     for start in ("was running when the service last ended: it resumes from its last checkpoint",
                   "could not resume when the service last ran: it tries again from its last checkpoint"):
-        done = _serve_until(serve, tmp_path, capfd, lambda: store.get(run_id).status == "failed")
+        began = time.time()  # the run fails again at this start (it was failed since the one before: not yet)
+        done = _serve_until(serve, tmp_path, capfd, lambda: (run := store.get(run_id)).status == "failed"
+                            and run.ended is not None and run.ended >= began)
         assert done.returncode == 0 and f"run {run_id} {start}\n" in done.stdout, done
         run = store.get(run_id)
         assert run.reason.startswith("cannot resume: damaged checkpoint: ") and run.reason.endswith(
