@@ -131,6 +131,9 @@ class EngineTrainer:
     def tasks_queued(self, round_id: int, count: int) -> None:
         """Nothing: the engine agent is its one member."""
 
+    def call_off(self) -> None:
+        """Nothing: the engine's ranks stop together at the end of a step, none waits on its own."""
+
     def warm_up(self) -> None:
         """Nothing to do: every rank already ran one broadcast, zero-lr step and gather when constructed."""
 

@@ -191,9 +191,7 @@ class ClientRuntime:
     def _call_off_training(self) -> None:
         """Tell the seats' trainers that training is over: a slow device's pause (up to a day) ends at once."""
         for seat in self.seats:
-            call_off = getattr(seat.trainer, "call_off", None)  # optional: only trainers that pause have it
-            if call_off is not None:
-                call_off()
+            seat.trainer.call_off()
 
     def _end_seats(self, workers: list[threading.Thread]) -> None:
         """Call the seats off (training is over: tasks not started yet are moot) and wait for the tasks they are on;

@@ -60,6 +60,9 @@ class Trainer(Protocol):
     def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
         """The span in which the member holds a task of ``round_id`` (a stacked trainer waits for its holders)."""
 
+    def call_off(self) -> None:
+        """The runtime is stopping: end any wait of the current training now (it then raises CalledOff)."""
+
     def tasks_queued(self, round_id: int, count: int) -> None:
         """``count`` of the runtime's tasks of ``round_id`` were queued for its seats (negative: dropped unstarted),
         told to its first seat's trainer before any seat may take them; a seat takes one as it enters
@@ -115,3 +118,6 @@ class HeldArrays:
 
     def tasks_queued(self, round_id: int, count: int) -> None:
         """Nothing: each member trains on its own."""
+
+    def call_off(self) -> None:
+        """Nothing: the client's handlers do not wait on the runtime."""

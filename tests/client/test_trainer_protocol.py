@@ -29,7 +29,7 @@ MEMBERS = sorted({*Trainer.__annotations__, *(n for n in vars(Trainer) if not n.
 def test_each_trainer_class_declares_every_member_of_the_protocol(cls):
     assert set(MEMBERS) >= {"framework", "reads_task_settings", "evaluates_together", "survives_failed_training",
                             "num_examples", "train", "evaluate", "evaluate_splits", "warm_up", "holding_task",
-                            "tasks_queued", "array_specs", "set_arrays", "get_arrays"}
+                            "tasks_queued", "call_off", "array_specs", "set_arrays", "get_arrays"}
     assert isinstance(cls.framework, str) and isinstance(cls.reads_task_settings, bool)
     assert isinstance(cls.evaluates_together, bool)
     assert cls.survives_failed_training is (cls is not EngineTrainer)  # an engine's ranks fail together

@@ -73,6 +73,9 @@ class NoiseTrainer:
     def tasks_queued(self, round_id: int, count: int) -> None:
         """Nothing waits for them."""
 
+    def call_off(self) -> None:
+        """Nothing waits."""
+
     def evaluate(self) -> None:
         """No validation data."""
         return None
