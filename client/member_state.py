@@ -15,17 +15,22 @@ import numpy as np
 
 
 class ResidualStore:
-    """Per-client residuals in a folder (a fresh temporary one unless ``folder`` is given); :meth:`close` removes a
-    temporary one."""
+    """Per-client residuals in a folder (unless ``folder`` is given, a temporary one made at the first save: a host
+    whose rounds keep no residual, as plain FedAvg's, leaves nothing behind even if it is killed); :meth:`close`
+    removes a temporary one."""
 
     def __init__(self, shapes: list[tuple[int, ...]], folder: str | Path | None = None):
         self.shapes = [tuple(s) for s in shapes]
         self._own = folder is None
-        self.folder = Path(tempfile.mkdtemp(prefix="fedpar-residuals-") if folder is None else folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._kept = {path.stem for path in self.folder.glob("*.npy")}  # who has a file: no disk call for the rest
+        self.folder = None if folder is None else Path(folder)
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        # who has a file: no disk call for the rest
+        self._kept = set() if self.folder is None else {path.stem for path in self.folder.glob("*.npy")}
 
     def _path(self, client: str) -> Path:
+        if self.folder is None:
+            self.folder = Path(tempfile.mkdtemp(prefix="fedpar-residuals-"))
         return self.folder / f"{client}.npy"  # client ids are checked names (no path separators)
 
     def load(self, client: str) -> list[np.ndarray] | None:
@@ -58,5 +63,5 @@ class ResidualStore:
 
     def close(self) -> None:
         """Remove the folder if this store made it."""
-        if self._own:
+        if self._own and self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)

@@ -49,6 +49,22 @@ def test_a_residual_store_keeps_each_clients_residual_on_disk(tmp_path):
         ResidualStore([(3,)], tmp_path / "res").load("c1")
 
 
+def test_a_residual_store_makes_its_temporary_folder_at_the_first_save_and_close_removes_it():
+    import numpy as np
+
+    from fedpar.client.member_state import ResidualStore
+
+    store = ResidualStore([(2,)])
+    assert store.load("c1") is None and store.folder is None  # nothing kept: nothing on disk
+    store.close()
+    store = ResidualStore([(2,)])
+    store.save("c1", [np.ones(2, np.float32)])
+    folder = store.folder
+    assert folder.is_dir() and store.load("c1")[0].tolist() == [1.0, 1.0]
+    store.close()
+    assert not folder.exists()
+
+
 def test_a_population_of_1400_runs_with_a_cohort_of_30(tmp_path):
     summary, rows = _rows(clients=1400, clients_per_round=30, rounds=3, local_epochs=1, val_fraction=0.0,
                           out=str(tmp_path / "run"))
