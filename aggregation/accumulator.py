@@ -29,9 +29,12 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # annotations only: torch is imported where a kernel computes with it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,8 @@ def fold_block_torch(acc: np.ndarray, xs: Sequence[np.ndarray], ws: Sequence[flo
     """Same as :func:`fold_block_numpy` with torch's fused ``acc.add_(x, alpha=w)`` on shared-memory views (the
     default kernel: each call runs inline and without the GIL, so the pool's threads fold their shards side by side,
     and a group's updates are added to each block while it is in cache)."""
+    import torch  # here, not at import: the strategy catalog (serve's --help) must not pay torch's import
+
     del tmp
     block = torch_block(block)
     n = acc.shape[0]
@@ -218,6 +223,8 @@ def torch_block(block: int, pooled: bool = False) -> int:
 def torch_splits_ops() -> bool:
     """Whether torch spreads each element-wise op over several intra-op threads in this process (the torch kernel
     then folds on one thread, with no pool of ours: aggregation/accumulator.py)."""
+    import torch
+
     return torch.get_num_threads() > 1
 
 
@@ -469,6 +476,8 @@ class WeightedSum:
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    import torch
+
     return torch.from_numpy(np.zeros(0, dtype)).dtype
 
 
@@ -478,6 +487,8 @@ class DeviceWeightedSum:
 
     def __init__(self, shapes: ShapesAndDtypes, config: FoldConfig):
         """A zeroed accumulator for ``shapes`` on ``config.device``."""
+        import torch
+
         self.shapes, self.config = shapes, config
         self.device = torch.device(config.device)
         self.acc_dtypes = [accumulate_dtype_for(d, config.accumulate_dtype) for d in shapes.dtypes]
@@ -531,6 +542,8 @@ class DeviceWeightedSum:
     def fold(self, arrays: Sequence[np.ndarray], weight: float, check_finite: bool = True,
              who: str = "update") -> None:
         """Add ``weight * arrays``; with ``check_finite`` an update holding NaN/Inf is rejected untouched."""
+        import torch
+
         w = check_weight(weight)
         flat = [np.ravel(a) for a in self.shapes.check(arrays, who)]
         with self._lock:  # one staging buffer: one update at a time

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from fedpar.protocol.compressed_wire import CompressionConfig, topk_count
 from fedpar.protocol.task_settings import COMPRESSION_METHODS as METHODS
@@ -74,6 +73,8 @@ def encode(arrays: Sequence[np.ndarray], config: CompressionConfig, rng: np.rand
                 raise ValueError(f"array {i} has values beyond float16's range (+-65504); use bf16 instead")
             payload[f"{i}"] = flat.astype(np.float16)
         elif m == "bf16":
+            import torch  # here, not at import: the strategy catalog (serve's --help) must not pay torch's import
+
             t = torch.from_numpy(np.ascontiguousarray(flat, np.float32)).to(torch.bfloat16)
             payload[f"{i}"] = t.view(torch.int16).numpy().view(np.uint16)
         elif m == "int8":
@@ -97,6 +98,8 @@ def decode(enc: Encoded) -> list[np.ndarray]:
         if enc.method in ("none", "fp16"):
             flat = enc.arrays[f"{i}"].astype(dtype)
         elif enc.method == "bf16":
+            import torch
+
             bits = np.ascontiguousarray(enc.arrays[f"{i}"], np.uint16).view(np.int16)
             flat = torch.from_numpy(bits).view(torch.bfloat16).float().numpy().astype(dtype)
         elif enc.method == "int8":

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-import torch
+from typing import TYPE_CHECKING
 
 from fedpar.aggregation.accumulator import FoldConfig
 from fedpar.aggregation.catalog import register_strategy
 from fedpar.aggregation.strategy import StreamingStrategy
 from fedpar.protocol.task_settings import TaskSettings
+
+if TYPE_CHECKING:  # the client-side terms import torch when they run: the strategy catalog must not pay it
+    import torch
 
 
 def proximal_term(model_params: Iterable[torch.Tensor], global_params: Iterable[torch.Tensor],
@@ -21,13 +23,14 @@ def proximal_term(model_params: Iterable[torch.Tensor], global_params: Iterable[
         raise ValueError(f"proximal_term got {len(model_params)} model tensors but {len(global_params)} global ones")
     if not model_params:
         raise ValueError("proximal_term needs at least one parameter tensor")
+    import torch
+
     total = model_params[0].new_zeros(())
     for w, g in zip(model_params, global_params):
         total = total + torch.sum((w - g.detach().to(w.dtype)) ** 2)
     return 0.5 * mu * total
 
 
-@torch.no_grad()
 def add_proximal_gradient(model_params: Iterable[torch.Tensor], global_params: Iterable[torch.Tensor],
                           mu: float) -> None:
     """Add the gradient of :func:`proximal_term`, ``mu * (w - w_global)``, to each parameter's ``.grad``.
@@ -35,9 +38,12 @@ def add_proximal_gradient(model_params: Iterable[torch.Tensor], global_params: I
     For sharded parameters, whose loss cannot hold the term without a collective: each shard adds its own part.
     Parameters without a gradient are left alone.
     """
-    for w, g in zip(model_params, global_params, strict=True):
-        if w.grad is not None:
-            w.grad.add_(w.detach() - g, alpha=mu)
+    import torch
+
+    with torch.no_grad():
+        for w, g in zip(model_params, global_params, strict=True):
+            if w.grad is not None:
+                w.grad.add_(w.detach() - g, alpha=mu)
 
 
 @register_strategy
