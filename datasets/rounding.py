@@ -8,7 +8,10 @@ got 90 and 110 where the drawn shares said 100 each. Here the shares are exact i
 example; pairs of classes first trade their fractions within clients until any two classes share at most one client
 where both are fractional (numpy over the clients), then dependent rounding (Gandhi et al. 2006: shifts along the
 cycles and paths of the fractional entries, at random in proportion, so an entry rounds up with the chance of its
-fraction) settles the few left.
+fraction) settles the few left. The pair trades keep every sum and every floor-or-ceiling bound but not each entry's
+expectation: taking entries in a random order, they round a small fraction up as often as a large one (measured on a
+3 x 9 matrix of 7 examples a class: up to 0.36 of an example off its share on average over 6,000 draws, against 0.01
+with dependent rounding alone, which costs one walk per fractional entry).
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ def _scaled(proportions: np.ndarray, totals: np.ndarray) -> np.ndarray:
     return np.diff(ends, axis=1, prepend=0)
 
 
-def _carry(counts: np.ndarray, fractions: np.ndarray, rows: tuple[int, ...]) -> None:
-    """Move fractions that reached a whole example into ``counts``."""
+def _carry(counts: np.ndarray, fractions: np.ndarray, rows: tuple[int, ...], columns: np.ndarray) -> None:
+    """Move fractions of ``rows`` that reached a whole example into ``counts`` (only ``columns``, distinct, moved)."""
     for r in rows:
-        whole = fractions[r] >= SCALE
+        whole = columns[fractions[r, columns] >= SCALE]
         counts[r, whole] += 1
         fractions[r, whole] -= SCALE
 
@@ -72,7 +75,7 @@ def _pair_rows(counts: np.ndarray, fractions: np.ndarray, rng: np.random.Generat
                 shift[full] = low[full] + needed - (int(gained[full - 1]) if full else 0)
             fractions[i, both] = fi + shift
             fractions[j, both] = fj - shift
-            _carry(counts, fractions, (i, j))
+            _carry(counts, fractions, (i, j), both)
 
 
 def _settle(counts: np.ndarray, fractions: np.ndarray, rng: np.random.Generator) -> None:
