@@ -225,6 +225,7 @@ def _engine_rank(args: argparse.Namespace, layout: ParallelLayout, driving: list
 
     from fedpar.cli.tlsopts import client_security
     from fedpar.client.engine_trainer import EngineTrainer
+    from fedpar.client.local_loop import member_seed
     from fedpar.parallel.device import flush_denormals
     from fedpar.parallel.init import init_distributed, shutdown_distributed
 
@@ -241,8 +242,9 @@ def _engine_rank(args: argparse.Namespace, layout: ParallelLayout, driving: list
         try:
             security = client_security(args) if info.is_main else None
             task = agent_task(args)
-            trainer = EngineTrainer(task, agent_data(args, task), info, layout,
-                                    seed=args.seed, idle_timeout_seconds=args.idle_timeout)
+            trainer = EngineTrainer(task, agent_data(args, task), info, layout, seed=args.seed,
+                                    idle_timeout_seconds=args.idle_timeout,
+                                    data_seed=member_seed(args.seed, args.agent_id))  # as a simulated member's
         except ValueError as exc:  # every rank fails the same way on bad options or data: one line per machine
             if info.local_rank == 0:
                 print(f"fedpar client: {exc}", file=sys.stderr)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fedpar.client.engine_control import SHUTDOWN, TRAIN, Command, ControlChannel
-from fedpar.client.local_loop import Lane, OneMember, StepTally, TrainResult, run_loop, trainable, update
+from fedpar.client.local_loop import (Lane, OneMember, StepTally, TrainResult, member_orders, run_loop, trainable,
+                                     update)
 from fedpar.client.trainer_protocol import Spec
 from fedpar.client.task_trainer import check_steps_the_model
 from fedpar.models.weights import get_weights, set_weights, weight_specs
@@ -69,14 +70,17 @@ class EngineTrainer:
     survives_failed_training = False  # the other ranks raised too, or wait in a collective rank 0 left
 
     def __init__(self, task: Task, data: ClientData, info: DistInfo, parallel: ParallelConfig, seed: int = 0,
-                 shuffle: bool = True, idle_timeout_seconds: float = 7 * 86400.0, warm_up: bool = True):
+                 shuffle: bool = True, idle_timeout_seconds: float = 7 * 86400.0, warm_up: bool = True,
+                 data_seed: int | None = None):
         """Shard ``task.model()`` over the group as ``parallel`` says (pp must be 1: a ParallelLayout its launcher
         resolved, or settings resolved here) and, unless ``warm_up`` is False, warm everything up; rank 0's whole
-        copy starts from the weights ``seed`` draws."""
+        copy starts from the weights ``seed`` draws. The data's order is a single process's of seed ``data_seed``
+        (``seed`` unless given; an agent's: client/local_loop.py member_seed) in every round, cut over the ranks."""
         config = layout_for(parallel, info.world_size, info.device.type)
         check_engine_task(task, config, info.world_size)
         check_training_data(task.name, data)
         self.task, self.info, self.seed, self.shuffle = task, info, seed, shuffle
+        self.data_seed = seed if data_seed is None else data_seed
         self.mesh = build_mesh(config, info.device.type)
         self._dp_size, self._dp_rank = config.data_parallel_size, self.mesh.data_parallel_rank
         self._counts = self.mesh.coord("tp") == 0  # TP peers see the same examples: count them once
@@ -195,9 +199,7 @@ class EngineTrainer:
     def _sampler(self, batch_size: int, round_id: int) -> tuple[DistributedBatchSampler, int]:
         n = self.num_examples
         local = math.ceil(min(batch_size, n) / self._dp_size)
-        # Seeds of neighbouring rounds must not overlap: the sampler adds the epoch to its seed.
-        seed = (self.seed * 1_000_003 + round_id) * 10_007
-        sampler = DistributedBatchSampler(n, local, self._dp_size, self._dp_rank, shuffle=self.shuffle, seed=seed)
+        sampler = DistributedBatchSampler(n, local, self._dp_size, self._dp_rank, shuffle=False)
         return sampler, local * self._dp_size
 
     def _train_shard(self, c: Command, stop_at: float) -> StepTally:
@@ -232,17 +234,20 @@ class EngineTrainer:
             update(params, loss * (examples * self._dp_size / in_batch), c.lr, optimizer, anchor, c.proximal_mu)
             return examples, float(loss.detach()) * examples
 
-        (tally,) = run_loop(OneMember(self._batches(sampler, c.epochs, c.max_steps), step),
+        orders = member_orders(n, c.epochs, self.data_seed, c.round_id) if self.shuffle else None
+        (tally,) = run_loop(OneMember(self._batches(sampler, c.epochs, c.max_steps, orders), step),
                             [Lane(stop_at, reserve=self._gather_seconds)], self._clock, decide=decide)
         return tally
 
     @staticmethod
-    def _batches(sampler: DistributedBatchSampler, epochs: int, max_steps: int = 0) -> Iterator[ShardBatch]:
-        """This rank's batches of every epoch in turn (the first ``max_steps`` of them when it is not 0)."""
+    def _batches(sampler: DistributedBatchSampler, epochs: int, max_steps: int = 0,
+                 orders: Iterator[torch.Tensor] | None = None) -> Iterator[ShardBatch]:
+        """This rank's batches of every epoch in turn (the first ``max_steps`` of them when it is not 0), each epoch
+        in the next of ``orders`` (None: in the data's order)."""
         def every_epoch() -> Iterator[ShardBatch]:
             for epoch in range(epochs):
                 sampler.set_epoch(epoch)
-                yield from enumerate(sampler.iter_with_padding_mask())
+                yield from enumerate(sampler.iter_with_padding_mask(next(orders) if orders is not None else None))
 
         return itertools.islice(every_epoch(), max_steps or None)
 

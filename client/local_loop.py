@@ -110,6 +110,14 @@ def shuffling_generator(seed: int, round_id: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + round_id)
 
 
+def member_orders(n: int, epochs: int, seed: int, round_id: int) -> Iterator[torch.Tensor]:
+    """The order of a member's ``n`` examples in each of its ``epochs`` of round ``round_id``, as
+    :func:`member_batches` draws them (the engine agent cuts these over its ranks)."""
+    generator = shuffling_generator(seed, round_id)
+    for _ in range(epochs):
+        yield torch.randperm(n, generator=generator)
+
+
 def stacked_schedules(sizes: list[int], seeds: list[int], epochs: int, batch_size: int,
                       round_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every stacked member's batches (those :func:`member_batches` gives it) at once, over their examples laid end
@@ -128,8 +136,7 @@ def stacked_schedules(sizes: list[int], seeds: list[int], epochs: int, batch_siz
     mask = torch.zeros(len(sizes), longest * batch_size, dtype=torch.bool)
     perms = []
     for n, seed in zip(sizes, seeds):
-        gen = shuffling_generator(seed, round_id)
-        perms += [torch.randperm(n, generator=gen) for _ in range(epochs)]
+        perms += member_orders(n, epochs, seed, round_id)
     if perms:
         # the flat position of each real example: its member's row, its epoch's start, its place in the epoch
         counts = sizes_t.repeat_interleave(epochs)

@@ -50,9 +50,10 @@ class DistributedBatchSampler:
         g.manual_seed(self.seed + self.epoch)
         return torch.randperm(self.dataset_size, generator=g)
 
-    def iter_with_padding_mask(self) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """Like iteration, plus a bool mask that is False for wrapped-around padding (for exact evaluation)."""
-        order = self._epoch_order()
+    def iter_with_padding_mask(self, order: torch.Tensor | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """Like iteration, plus a bool mask that is False for wrapped-around padding (for exact evaluation); the
+        epoch in ``order`` (a permutation of the dataset's indices) when one is given, else in the sampler's own."""
+        order = self._epoch_order() if order is None else order
         total = len(self) * self.batch_size * self.num_replicas
         if total > len(order):
             order = order.repeat(math.ceil(total / len(order)))

@@ -2,7 +2,8 @@
 gloo ranks, FSDP2; or one NCCL rank on a GPU) next to an ordinary agent of the same task, over real gRPC: the
 coordinator takes both agents' uploads (the same weight names and shapes as a single-process agent's), the new
 global is the weighted FedAvg of the uploads, and the engine agent's update is what single-process training of the
-task (its loss, its AdamW) produces from the same global weights on the same data."""
+task (its loss, its AdamW) produces from the same global weights on the same data in the same batches: the order a
+simulated member of the agent's id draws (client/local_loop.py member_seed), cut over the ranks."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from fedpar.aggregation import build_strategy
 from fedpar.client.agent import Agent, AgentConfig
+from fedpar.client.local_loop import member_seed
 from fedpar.client.task_trainer import TaskTrainer
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.server.app import CoordinatorServer
@@ -29,7 +31,9 @@ from fedpar.tasks.reference import load_task
 from support.own_task import EXAMPLE, write_table
 
 PARTS, ENGINE_PART, PLAIN_PART = 2, 0, 1  # of 320 rows: 115 training examples each, odd, so one FSDP rank pads
-EPOCHS, FULL_BATCH, LR = 2, 10_000, 0.01  # full-batch steps: the result does not depend on the data order
+# 4 steps an epoch (the last of 19 examples: one FSDP rank gets 16 of it, the other 3 and padding), so the result
+# depends on the order of the examples
+EPOCHS, BATCH, LR = 2, 32, 0.01
 OPTIONS = {"hidden": 8}
 
 
@@ -57,10 +61,10 @@ def _recording_fedavg():
     return strategy, globals_, folds
 
 
-def _single_process_update(task, data, weights) -> tuple[list[np.ndarray], int]:
-    trainer = TaskTrainer(task, data)
+def _single_process_update(task, data, weights, round_id: int) -> tuple[list[np.ndarray], int]:
+    trainer = TaskTrainer(task, data, seed=member_seed(0, "big"))  # the engine agent's id, --seed's default
     set_weights(trainer.model, weights)
-    result = trainer.train(EPOCHS, FULL_BATCH, LR)
+    result = trainer.train(EPOCHS, BATCH, LR, round_id=round_id)
     return get_weights(trainer.model), result.examples
 
 
@@ -87,7 +91,7 @@ def test_engine_agent_and_plain_agent_run_fedavg_rounds(tmp_path, backend):
     strategy, globals_, folds = _recording_fedavg()
     config = CoordinatorConfig(rounds=2, clients_per_round=2, min_available=2, overselect=1.0, deadline_seconds=30.0,
                                heartbeat_seconds=1.0, liveness_timeout_seconds=20.0, local_epochs=EPOCHS,
-                               batch_size=FULL_BATCH, learning_rate=LR, metrics_path=tmp_path / "metrics.jsonl")
+                               batch_size=BATCH, learning_rate=LR, metrics_path=tmp_path / "metrics.jsonl")
     specs = weight_specs(task.model())  # what a single-process agent of the task uploads
     names = [name for name, _, _ in specs]
     server = CoordinatorServer(Coordinator(config, names, init, strategy))
@@ -129,7 +133,7 @@ def test_engine_agent_and_plain_agent_run_fedavg_rounds(tmp_path, backend):
             expected = sum(np.float64(n) * w[i].astype(np.float64) for w, n in uploads.values()) / total
             np.testing.assert_allclose(new, expected, rtol=1e-6, atol=1e-6)
         # The two-rank FSDP agent uploaded what one process training the task on the same data would have.
-        reference, examples = _single_process_update(task, engine_data, globals_[round_id])
+        reference, examples = _single_process_update(task, engine_data, globals_[round_id], round_id)
         update, reported = uploads["big"]
         assert reported == examples == EPOCHS * len(engine_data.train)
         assert max(float(np.abs(a - b).max()) for a, b in zip(update, reference)) < tolerance

@@ -12,12 +12,13 @@ from fedpar.cli.main import main
 from support.own_task import EXAMPLE, write_table
 
 
-def test_two_fsdp_ranks_take_the_full_batch_steps_one_process_takes(tmp_path, capsys):
-    # 240 training rows in one batch: each rank steps on its 120 and FSDP averages their gradients, which is the
-    # gradient of the mean over all 240, so AdamW (on each rank's shard) moves both runs' weights alike
+def test_two_fsdp_ranks_take_the_steps_one_process_takes_in_its_order(tmp_path, capsys):
+    """240 training rows in batches of 64 (the last of 48): each epoch both runs draw the same order (the engine's
+    ranks take halves of each batch) and FSDP averages the ranks' gradients, which is the gradient of the mean over
+    the batch, so AdamW (on each rank's shard) moves both runs' weights alike."""
     csv = write_table(tmp_path / "table.csv")
     common = ["train", "--task", EXAMPLE, "--task-option", f"csv={csv}", "--task-option", "hidden=8", "--epochs", "3",
-              "--lr", "0.05", "--batch-size", "240", "--no-plot", "--device", "cpu"]  # both on the CPU: compared
+              "--lr", "0.05", "--batch-size", "64", "--no-plot", "--device", "cpu"]  # both on the CPU: compared
     assert main([*common, "--out", str(tmp_path / "one")]) == 0
     assert main([*common, "--nproc", "2", "--fsdp", "2", "--out", str(tmp_path / "two")]) == 0
     one, two = load_file(tmp_path / "one" / "global.safetensors"), load_file(tmp_path / "two" / "global.safetensors")
@@ -25,7 +26,7 @@ def test_two_fsdp_ranks_take_the_full_batch_steps_one_process_takes(tmp_path, ca
     for name in one:
         np.testing.assert_allclose(two[name], one[name], rtol=1e-4, atol=1e-6)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
-    assert (summary["ranks"], summary["steps"], summary["examples"]) == (2, 3, 3 * 240)
+    assert (summary["ranks"], summary["steps"], summary["examples"]) == (2, 3 * 4, 3 * 240)
     first = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert summary["test_accuracy"] == first["test_accuracy"]  # rank 0 evaluates the whole test set
     capsys.readouterr()
