@@ -5,13 +5,11 @@ client's total is the floor or the ceiling of its total share (controlled roundi
 Rounding each class on its own (a floor of the cumulative shares, say) keeps the first and the rest, but its errors of
 up to one example a class add up over the classes: at a huge Dirichlet alpha two clients of 200 examples in 20 classes
 got 90 and 110 where the drawn shares said 100 each. Here the shares are exact integers in units of 1/SCALE of an
-example; pairs of classes first trade their fractions within clients until any two classes share at most one client
-where both are fractional (numpy over the clients), then dependent rounding (Gandhi et al. 2006: shifts along the
-cycles and paths of the fractional entries, at random in proportion, so an entry rounds up with the chance of its
-fraction) settles the few left. The pair trades keep every sum and every floor-or-ceiling bound but not each entry's
-expectation: taking entries in a random order, they round a small fraction up as often as a large one (measured on a
-3 x 9 matrix of 7 examples a class: up to 0.36 of an example off its share on average over 6,000 draws, against 0.01
-with dependent rounding alone, which costs one walk per fractional entry).
+example. Pairs of classes (of clients, where classes outnumber clients twice over) first trade their fractions within
+the clients (classes) where both are fractional, by pipage rounding over numpy arrays, until any two share at most one
+such entry; then dependent rounding (Gandhi et al. 2006: shifts along the cycles and paths of the fractional entries)
+settles the few left. Every shift of either kind is up or down at random with zero mean, so each count keeps its share
+as its expectation (on 3 x 9 and 20 x 4 matrices, 4,000 draws each, every mean count was within 0.02 of its share).
 """
 
 from __future__ import annotations
@@ -30,6 +28,8 @@ def round_shares(proportions: np.ndarray, totals: np.ndarray, rng: np.random.Gen
     classes, clients = fractions.shape
     if 2 < clients and classes < 2 * clients:  # pairs of classes cost less than rounding every class and client
         _pair_rows(counts, fractions, rng)
+    elif 2 < classes:  # many classes for few clients: pairs of clients, trading within the classes
+        _pair_rows(counts.T, fractions.T, rng)
     _settle(counts, fractions, rng)
     assert (counts.sum(axis=1) == totals).all() and (counts >= 0).all()
     return counts
@@ -54,28 +54,61 @@ def _carry(counts: np.ndarray, fractions: np.ndarray, rows: tuple[int, ...], col
 
 
 def _pair_rows(counts: np.ndarray, fractions: np.ndarray, rng: np.random.Generator) -> None:
-    """Trade fractions between each pair of rows within the clients where both are fractional (one row's entry up,
-    the other's down, so neither a row's nor a client's sum moves) until at most one such client is left a pair."""
+    """Trade fractions between each pair of rows within the columns where both are fractional (one row's entry up,
+    the other's down, so neither a row's nor a column's sum moves) until at most one such column is left a pair."""
     rows = len(fractions)
     for i in range(rows):
         for j in range(i + 1, rows):
             both = np.flatnonzero((fractions[i] > 0) & (fractions[j] > 0))
             if len(both) < 2:
                 continue
-            both = rng.permutation(both)
             fi, fj = fractions[i, both], fractions[j, both]
-            low = np.maximum(-fi, fj - SCALE)  # row i down to 0, or row j up to a whole example
-            high = np.minimum(SCALE - fi, fj)  # row i up to a whole example, or row j down to 0
-            needed = -int(low.sum())  # raised this much from all-low, the trades sum to zero
-            gained = np.cumsum(high - low)
-            full = int(np.searchsorted(gained, needed, side="left"))  # those before it go all the way up
-            shift = low.copy()
-            shift[:full] = high[:full]
-            if full < len(both):
-                shift[full] = low[full] + needed - (int(gained[full - 1]) if full else 0)
+            shift = _pipage(np.maximum(-fi, fj - SCALE), np.minimum(SCALE - fi, fj), rng)
             fractions[i, both] = fi + shift
             fractions[j, both] = fj - shift
             _carry(counts, fractions, (i, j), both)
+
+
+def _pipage(low: np.ndarray, high: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Shifts, one a column, that sum to zero and each reach ``low`` or ``high`` (all but at most one): two columns
+    move against each other until one of them is at a bound, up or down at random in inverse proportion to the room,
+    so each shift's expectation stays zero (pipage rounding, Ageev and Sviridenko 2004). Many columns go in disjoint
+    pairs at once (each sweep settles at least half of those it pairs), the last few one after another."""
+    shift = np.zeros_like(low)
+    live = rng.permutation(len(low))
+    while len(live) > _FEW:
+        half = len(live) // 2
+        a, b = live[:half], live[half:2 * half]
+        shift_a, shift_b = shift[a], shift[b]
+        up = np.minimum(high[a] - shift_a, shift_b - low[b])
+        down = np.minimum(shift_a - low[a], high[b] - shift_b)
+        step = np.where(rng.integers(0, up + down) < down, up, -down)  # E[step] = 0
+        shift[a] = shift_a + step
+        shift[b] = shift_b - step
+        moved = shift[live]
+        live = live[(low[live] < moved) & (moved < high[live])]
+    if len(live) >= 2:
+        _pipage_in_turn(shift, low, high, live.tolist(), rng.random(len(live)).tolist())
+    return shift
+
+
+_FEW = 24  # below this many open columns a Python loop costs less than a sweep of numpy calls
+
+
+def _pipage_in_turn(shift: np.ndarray, low: np.ndarray, high: np.ndarray, live: list[int], draws: list[float]) -> None:
+    """Pipage over ``live`` one pair at a time: the column left open by each step meets the next one."""
+    values = {k: (int(shift[k]), int(low[k]), int(high[k])) for k in live}
+    open_one = live[0]
+    for k, draw in zip(live[1:], draws):
+        sa, la, ha = values[open_one]
+        sb, lb, hb = values[k]
+        up, down = min(ha - sa, sb - lb), min(sa - la, hb - sb)
+        step = up if draw * (up + down) < down else -down  # E[step] = 0
+        values[open_one] = (sa + step, la, ha)
+        values[k] = (sb - step, lb, hb)
+        open_one = k if lb < sb - step < hb else open_one
+    for k, (value, _, _) in values.items():
+        shift[k] = value
 
 
 def _settle(counts: np.ndarray, fractions: np.ndarray, rng: np.random.Generator) -> None:

@@ -172,5 +172,5 @@ def test_a_dirichlet_refusal_with_an_empty_client_names_the_minimum_option():
     (QA), though dirichlet:ALPHA:MIN can lower the minimum."""
     labels = np.repeat(np.arange(10), 100)
     with pytest.raises(ValueError, match=r"; raise alpha, give a lower minimum \(dirichlet:ALPHA:MIN, e.g. "
-                                         r"dirichlet:0.1:1\) or use fewer clients$"):
-        partition_dirichlet(labels, 50, alpha=0.1, seed=0, max_attempts=20)
+                                         r"dirichlet:0.05:1\) or use fewer clients$"):
+        partition_dirichlet(labels, 50, alpha=0.05, seed=0, max_attempts=20)

@@ -7,6 +7,7 @@ its drawn share of them, and every example is still dealt exactly once."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,3 +59,16 @@ def test_many_clients_are_rounded_quickly_and_to_their_shares():
     shares = proportions * totals[:, None]
     np.testing.assert_array_equal(counts.sum(axis=1), totals)
     assert (np.abs(counts - shares) < 1 + 1e-6).all() and (np.abs(counts.sum(0) - shares.sum(0)) < 1 + 1e-6).all()
+
+
+@pytest.mark.parametrize("shape", [(3, 9), (9, 3)])  # pairs of classes trade; pairs of clients trade
+def test_each_count_is_its_share_on_average(shape):
+    """The pair trades once rounded up the entries they met first, whatever their fractions: on a 3 x 9 matrix a mean
+    count was 0.36 of an example off its share over 6,000 draws. Every step now keeps each entry's expectation."""
+    rng = np.random.default_rng(1)
+    proportions = rng.dirichlet(np.ones(shape[1]), size=shape[0])
+    totals = np.full(shape[0], 7)
+    shares = proportions / proportions.sum(axis=1, keepdims=True) * totals[:, None]
+    draws = 1500
+    mean = sum(round_shares(proportions, totals, np.random.default_rng(seed)) for seed in range(draws)) / draws
+    assert np.abs(mean - shares).max() < 0.08  # six standard errors of a mean of 1,500 counts that vary by one
