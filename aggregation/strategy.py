@@ -65,6 +65,8 @@ class Strategy(abc.ABC):
     # Whether client_config reads the open round's global model (a Flower strategy's configure_fit/configure_train):
     # a wrapper (DP-FedAvg) opens this strategy's round before asking it.
     configures_from_round: ClassVar[bool] = False
+    # How the strategy's running sum folds; None for a strategy that keeps no running sum (it buffers or delegates).
+    fold_config: FoldConfig | None = None
 
     def __init__(self) -> None:
         """Start with no round open."""
@@ -73,6 +75,13 @@ class Strategy(abc.ABC):
         self._shapes: ShapesAndDtypes | None = None
         self._clients: set[str] = set()
         self._lock = threading.Lock()
+
+    def accumulate_in(self, dtype: str | None = None, device: str | None = None) -> None:
+        """Accumulate the running sum in ``dtype`` ("float32" or "float64") and on ``device`` ("host", or a torch
+        device such as "cuda:0") from the next round on; None keeps what it has, as does a strategy with no sum."""
+        if self.fold_config is not None:
+            self.fold_config = replace(self.fold_config, accumulate_dtype=dtype or self.fold_config.accumulate_dtype,
+                                       device=device or self.fold_config.device)
 
     def cap_shares(self, share: float) -> None:
         """Cap each update's share of a round's total weight at ``share`` (``--max-agent-share``); a ValueError
@@ -458,13 +467,3 @@ def _distance(a: Sequence[np.ndarray], b: Sequence[np.ndarray], chunk: int = 1 <
             d = x[s: s + chunk].astype(np.float64) - y[s: s + chunk]
             total += float(np.dot(d, d))
     return float(np.sqrt(total))
-
-
-def accumulate_in(strategy, dtype: str | None = None, device: str | None = None) -> None:
-    """Make ``strategy``'s running sums accumulate in ``dtype`` ("float32" or "float64") and on ``device`` ("host",
-    or a torch device such as "cuda:0") from its next round on; None keeps what it has. Strategies that keep no
-    running sum are left as they are."""
-    config = getattr(strategy, "fold_config", None)
-    if isinstance(config, FoldConfig):
-        strategy.fold_config = replace(config, accumulate_dtype=dtype or config.accumulate_dtype,
-                                       device=device or config.device)

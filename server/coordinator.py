@@ -22,7 +22,6 @@ from typing import Callable, Protocol, Sequence
 import grpc
 import numpy as np
 
-from fedpar.aggregation.strategy import accumulate_in
 from fedpar.protocol.heap import round_counters, trim_heap
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
@@ -165,7 +164,7 @@ class Coordinator(IngestPlane):
         self.members = members
         self.clock = clock if clock is not None else clock_for(config)
         self.strategy = strategy
-        accumulate_in(strategy, config.fold_dtype, ranks.group.fold_device if ranks is not None else None)
+        strategy.accumulate_in(config.fold_dtype, ranks.group.fold_device if ranks is not None else None)
         self.evaluate_fn = evaluate_fn
         self.on_round_end = [*on_round_end, *round_counters()]  # the heap traces' only if one was asked for
         self.on_restored: list[Callable[[], None]] = []  # called once restore() took the checkpoint (or found none)

@@ -20,7 +20,6 @@ import grpc
 import numpy as np
 
 from fedpar.aggregation.accumulator import ShapesAndDtypes
-from fedpar.aggregation.strategy import accumulate_in
 from fedpar.protocol.heap import count_round, trim_heap
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.tls import TlsFiles
@@ -52,7 +51,7 @@ class IngestRank(IngestPlane):
         self.rank = group.rank
         self.group = group
         self.strategy = strategy
-        accumulate_in(strategy, config.fold_dtype, group.fold_device)
+        strategy.accumulate_in(config.fold_dtype, group.fold_device)
         self.advertised_host = advertised_host
         self.control_tls = control_tls  # the coordinator's certificate files, to check rank 0's control service
         self.shapes = ShapesAndDtypes.of(self.weights)

@@ -459,3 +459,22 @@ def test_a_strategy_that_would_lose_another_ranks_updates_is_refused_on_aggregat
     with pytest.raises(ValueError, match=r"^--aggregator-ranks 2 cannot run with --strategy keeps_the_first: it keeps "
                                          r"no partial sum \(partial_sum\) and hands no updates to rank 0 \(handoff\)"):
         strategy.check_ranks(2)
+
+
+@pytest.mark.parametrize("name", strategy_names())
+def test_accumulate_in_sets_a_running_sums_dtype_and_device_and_leaves_a_buffering_strategy_as_it_is(name):
+    strategy = build_strategy(name)
+    before = strategy.fold_config
+    strategy.accumulate_in("float64", "cpu")
+    if before is None:  # robust rules buffer updates: no running sum to set
+        assert strategy.fold_config is None
+    else:
+        assert (strategy.fold_config.accumulate_dtype, strategy.fold_config.device) == ("float64", "cpu")
+        strategy.accumulate_in(None, None)  # None keeps what it has
+        assert (strategy.fold_config.accumulate_dtype, strategy.fold_config.device) == ("float64", "cpu")
+        rng = np.random.default_rng(0)
+        global_w = model(rng, dtype=np.float32)
+        strategy.begin_round(1, global_w)
+        for update, n in cohort(rng, 3, global_w):
+            strategy.fold([u.astype(np.float32) for u in update], n)
+        assert strategy.partial_sum().acc_dtypes == [np.dtype(np.float64)] * len(SHAPES)
