@@ -510,7 +510,7 @@ class UploadIntake:
         except BaseException as exc:
             if ticket is not None:
                 ticket.settle(exc if isinstance(exc, Refusal) else None)
-            state = ticket.state if ticket is not None else getattr(self.coord, "current", None)
+            state = ticket.state if ticket is not None else self.coord.current
             if isinstance(exc, Refusal) and state is not None:  # counted in the round it was refused in
                 state.note_refusal(exc)
             held.close()
