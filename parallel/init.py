@@ -299,13 +299,20 @@ def rank_start_method(may_fork: bool = True) -> str:
     """How a launch from this process starts its ranks (or workers): "fork" where :func:`fork_safe` holds (and
     ``may_fork``); else, on Linux with no GPU visible, "forkserver": forked from one helper process that imported
     torch and fedpar once (multiprocessing starts it at the first child and keeps it while this process lives), so
-    only the first child pays an interpreter's start and torch's import; else "spawn"."""
+    only the first child pays an interpreter's start and torch's import; else "spawn", as also in a process forked
+    from one that had a fork server: multiprocessing's copy of the parent's server in the child checks on it with
+    waitpid, which fails there (not the child's child: "No child processes")."""
+    global _FORK_SERVER_OF
     if may_fork and fork_safe():
         return "fork"
-    if sys.platform.startswith("linux") and not torch.cuda.is_available():
+    if sys.platform.startswith("linux") and not torch.cuda.is_available() and _FORK_SERVER_OF in (None, os.getpid()):
+        _FORK_SERVER_OF = os.getpid()
         mp.get_context("forkserver").set_forkserver_preload(list(FORK_SERVER_PRELOAD))
         return "forkserver"
     return "spawn"
+
+
+_FORK_SERVER_OF: int | None = None  # the process that asked for this process's fork server (a forked child: its parent)
 
 
 def _start_replacement(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,

@@ -536,6 +536,10 @@ class Coordinator(IngestPlane):
             line = "".join(c if c.isprintable() else "?" for c in " ".join(reason.split())[:MAX_FAILURE_CHARS])
             state.training_failed(slot, line)
 
+    def finished_reason(self) -> str:
+        """The one line a member hears when training is over."""
+        return f"training finished after round {self.round_id}"
+
     def task_for(self, agent: AgentRecord, finished_task_id: str = "",
                  with_weights: bool = True) -> pb.PullTaskReply | None:
         """The reply to a poll of ``agent`` now: its task, or that training is over; None while it has none.
@@ -543,7 +547,7 @@ class Coordinator(IngestPlane):
         :meth:`inline_weights`), though still counted as sent."""
         if self.finished and not self.keeps_members:
             self.members.told(agent.agent_id)
-            return pb.PullTaskReply(shutdown_reason=f"training finished after round {self.round_id}")
+            return pb.PullTaskReply(shutdown_reason=self.finished_reason())
         state = self.current
         if state is None or state.closed:
             return None

@@ -50,6 +50,12 @@ class FlowerCoordinator(Coordinator):
         self._replies: dict[str, object] = {}  # the open round's reply Messages by agent id
         self._messages: dict[str, object] = {}  # the open round's Messages by agent id (what a reply must answer)
         self._one_round = asyncio.Lock()
+        self.flower_round = 0  # the ServerApp's server round of the last batch of Messages
+
+    def finished_reason(self) -> str:
+        """The one line a member hears when the ServerApp is done: its own rounds, and the batches of Messages."""
+        return (f"the Flower ServerApp finished after server round {self.flower_round} "
+                f"({self.round_id} rounds of Messages)")
 
     async def run(self) -> None:
         """Wait for the members the run asks for, run the ServerApp to its end, keep its final arrays."""
@@ -104,7 +110,7 @@ class FlowerCoordinator(Coordinator):
                 if self._tasks.get(agent_id) is slot:
                     del self._tasks[agent_id]
             replies, self._replies, self._messages = self._replies, {}, {}
-            self.round_id = round_id
+            self.round_id, self.flower_round = round_id, max(self.flower_round, flower_round)
             now = time.monotonic()
             row = {
                 "round": round_id, "status": exchange_status(replies.values(), len(slots)), "sampled": len(slots),

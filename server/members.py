@@ -45,6 +45,9 @@ class TaskDesk(Protocol):
                  with_weights: bool = True) -> pb.PullTaskReply | None:
         """The reply to a poll of ``agent`` now (its task, or that training is over); None: nothing yet."""
 
+    def finished_reason(self) -> str:
+        """The one line a member hears when training is over."""
+
     def inline_weights(self) -> tuple[bytes, bytes] | None:
         """The current round's small model (serialized ModelHeader, tensor bytes), None if it is not sent inline."""
 

@@ -187,7 +187,7 @@ class Populations(Members):
                                                                "expired: call JoinPopulation again")
             if desk.finished and not desk.keeps_members:
                 self.told(key)
-                return pb.PullHostTasksReply(shutdown_reason=f"training finished after round {desk.round_id}")
+                return pb.PullHostTasksReply(shutdown_reason=desk.finished_reason())
             out = self._reply(host.host_id, desk)
             if out.tasks or out.go or desk.handed_over or desk.clock.idle_steps != steps \
                     or not await self.wait(key, deadline):

@@ -61,6 +61,9 @@ def test_served_server_app_and_two_agents_over_mutual_tls_replacing_every_file_o
         # 2 server rounds, each a train and an evaluate message: 4 replies, none refused
         assert client.returncode == 0 and "4 messages, 4 answered (2 evaluate, 2 train), 0 failed" in out_text, \
             out_text
+        # the ServerApp's own count of rounds, not "training finished after round 4" (its batches of Messages)
+        assert "coordinator says: the Flower ServerApp finished after server round 2 (4 rounds of Messages)" \
+            in out_text, out_text
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["flower_round"], r["message_type"], r["reported"]) for r in rows] == \
         [(1, "train", 2), (1, "evaluate", 2), (2, "train", 2), (2, "evaluate", 2)]
