@@ -25,8 +25,9 @@ OFFERED = {"simulate": ("--clients-per-round", "--min-reports", "--clients"),
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 @pytest.mark.parametrize("strategy,option,advice", CASES)
-def test_refusal_names_flags_of_the_command(command, strategy, option, advice, capfd):
-    run = run_main([*COMMANDS[command], "--strategy", strategy, "--strategy-option", option], capfd)
+def test_refusal_names_flags_of_the_command(command, strategy, option, advice, capfd, tmp_path):
+    # from a folder of its own: the default --out of two cases at once was one folder, the second run refused
+    run = run_main([*COMMANDS[command], "--strategy", strategy, "--strategy-option", option], capfd, cwd=tmp_path)
     assert run.returncode == 2
     assert f"leave it out and use {advice}" in run.stderr
     assert "Traceback" not in run.stderr

@@ -75,3 +75,33 @@ def _runs(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_a_process_forked_from_one_with_a_fork_server_starts_its_own_ranks():
+    """A simulation in a process forked from one that had started ranks from a fork server (a test process's, or any
+    launcher's that runs one command after another) failed to start its aggregator ranks with "No child processes":
+    multiprocessing's copy of the parent's fork server in the child checks on it with waitpid. Such a child now
+    starts its ranks by spawn."""
+    script = """
+import multiprocessing as mp, sys
+from fedpar.parallel.init import rank_start_method, spawn
+from support.launched import say_where
+method = rank_start_method(may_fork=False)
+print(method, flush=True)
+spawn(1, say_where, start_method=method)  # the fork server starts
+
+def forked():
+    method = rank_start_method(may_fork=False)
+    print("forked:", method, flush=True)
+    spawn(1, say_where, start_method=method)
+
+child = mp.get_context("fork").Process(target=forked)
+child.start()
+child.join()
+sys.exit(child.exitcode)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["forkserver", "rank 0 sees MARK=None", "forked: spawn",
+                                        "rank 0 sees MARK=None"]
