@@ -76,6 +76,12 @@ CLIENT_CLIP_TOLERANCE = 1e-4  # relative
 CLIENT_CLIP_ATOL = 1e-6
 
 
+class _ClipBit(threading.local):
+    """The clip bit of the update :meth:`DPStrategy.fold` is folding on this thread (None: it said none)."""
+
+    clipped: bool | None = None
+
+
 class DPStrategy(Strategy):
     """Clips, uniformly weights and noises updates, accounts privacy, then defers to ``inner``."""
 
@@ -144,7 +150,7 @@ class DPStrategy(Strategy):
         self._unclipped = 0
         self._in_blocks = 0
         self._stats_lock = threading.Lock()
-        self._reported = threading.local()  # the clip bit of the update :meth:`fold` is folding on this thread
+        self._reported = _ClipBit()
 
     # ------------------------------------------------------------------ secure aggregation
     @property
@@ -244,7 +250,7 @@ class DPStrategy(Strategy):
         says so (Andrew et al.'s clip bit): the norm seen here is after the client's clip, local noise and lossy
         compression, which move it off C. Without the bit (an older client) the norm decides: a clipped update sits
         at C, within the client's rounding, which only a lossless, noiseless upload keeps."""
-        reported = getattr(self._reported, "clipped", None)
+        reported = self._reported.clipped
         if self.mode == "client" and reported is not None:
             return not reported
         if self.mode == "client" and self.local_noise_multiplier > 0 and self.adaptive is not None:
