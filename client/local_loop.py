@@ -12,6 +12,7 @@ and counts what they trained on.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import zlib
@@ -108,6 +109,19 @@ def member_seed(seed: int, agent_id: str) -> int:
 def shuffling_generator(seed: int, round_id: int) -> torch.Generator:
     """The generator of a member's batch order in round ``round_id``: one ``torch.randperm`` per epoch."""
     return torch.Generator().manual_seed(seed * 1_000_003 + round_id)
+
+
+@contextlib.contextmanager
+def member_draws(seed: int, round_id: int, device: torch.device) -> Iterator[None]:
+    """torch's own random draws inside the block (a model's dropout, a task hook's torch.rand) from member ``seed``'s
+    stream of round ``round_id``, as a deployed agent of its id draws them whatever this process ran before; the
+    process's streams are put back after. Apart from the batch order's (:func:`shuffling_generator`)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed((seed * 1_000_003 + round_id) ^ DRAWS_STREAM)
+        yield
+
+
+DRAWS_STREAM = 0x5EED  # keeps a member's torch draws off its batch order's stream of the same seed and round
 
 
 def member_orders(n: int, epochs: int, seed: int, round_id: int) -> Iterator[torch.Tensor]:

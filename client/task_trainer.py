@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedpar.client.local_loop import (Lane, OneMember, TrainResult, member_batches, objective, run_loop, trainable,
-                                      update)
+from fedpar.client.local_loop import (Lane, OneMember, TrainResult, member_batches, member_draws, objective, run_loop,
+                                      trainable, update)
 from fedpar.client.trainer_protocol import CalledOff, Spec
 from fedpar.datasets.arrays import scale_hint
 from fedpar.models.weights import ModelWeights, get_weights, set_weights, weight_specs
@@ -57,11 +57,12 @@ def train_task(task: Task, model: nn.Module, data: ClientData, config: LocalConf
                precision: str = "fp32", after_step: Callable[[], None] | None = None) -> Trained:
     """Train ``model`` in place on ``data`` with the task's own hook or the built-in loop, before ``deadline``
     (``after_step``: called after each step of the built-in loop; a simulated slow device waits there)."""
-    if task.train is None:
-        return _builtin_loop(task, model, data, config, deadline, precision, after_step)
-    model.train()
-    layout = weight_specs(model)
-    result = task.train(model, data, config, deadline)
+    with member_draws(config.seed, config.round, torch.device(config.device)):
+        if task.train is None:
+            return _builtin_loop(task, model, data, config, deadline, precision, after_step)
+        model.train()
+        layout = weight_specs(model)
+        result = task.train(model, data, config, deadline)
     _check_layout_kept(task, model, layout)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TaskError(f"task {task.name!r}: train must return (examples, metrics), got {type(result).__name__}")
@@ -322,11 +323,17 @@ class TaskTrainer:
         if self._turn is None:
             self._sleep(self.delay)
             return
+        on_gpu = torch.device(self.device).type == "cuda"
+        # the seat that trains meanwhile draws from its own member's stream (client/local_loop.member_draws)
+        draws = torch.random.get_rng_state(), torch.cuda.get_rng_state(self.device) if on_gpu else None
         self._turn.release()
         try:
             self._sleep(self.delay)
         finally:
             self._turn.acquire()
+            torch.random.set_rng_state(draws[0])
+            if on_gpu:
+                torch.cuda.set_rng_state(draws[1], self.device)
 
     def _sleep(self, seconds: float) -> None:
         """Wait ``seconds`` as a slow device would; CalledOff as soon as :meth:`call_off` is called (a trace's step

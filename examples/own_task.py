@@ -22,6 +22,7 @@ class Options:  # --task-option KEY=VALUE, typed as declared here
     csv: str  # a header row, a whole-number 'label' column, numeric feature columns
     hidden: int = 32
     weight_decay: float = 0.0
+    dropout: float = 0.0  # after the hidden layer; each client draws its masks from its own stream (seed, id, round)
 
 
 def task(options: Options) -> Task:
@@ -29,7 +30,9 @@ def task(options: Options) -> Task:
     features, classes = table.input_shape[0], table.num_classes
 
     def model() -> nn.Module:
-        return nn.Sequential(nn.Linear(features, options.hidden), nn.ReLU(), nn.Linear(options.hidden, classes))
+        dropout = [nn.Dropout(options.dropout)] if options.dropout else []  # no layer: the weights' names as before
+        return nn.Sequential(nn.Linear(features, options.hidden), nn.ReLU(), *dropout,
+                             nn.Linear(options.hidden, classes))
 
     return Task(
         model=model,

@@ -2,7 +2,9 @@
 client` per member, each given only the run's --seed, its member's id and its share: a simulated member shuffled its
 batches by seed + crc32(id) while a deployed agent shuffled by --seed itself, so the two routes' models differed
 (measured 0.08 at most, after two rounds of examples/own_task.py). Both now take the member's seed from one function
-(client/local_loop.member_seed); measured 9e-8 apart (only the fold order differs)."""
+(client/local_loop.member_seed); measured 9e-8 apart (only the fold order differs). With dropout the masks came from
+each process's torch stream (a simulated member's depended on what its seat trained before): each member now draws
+from its own stream of the round (client/local_loop.member_draws)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ ROUND = ["--rounds", str(ROUNDS), "--clients-per-round", str(CLIENTS), "--overse
 
 def test_a_users_task_simulated_and_deployed_gives_the_same_model_for_the_same_seed_and_cohort(tmp_path):
     training = ["--task", EXAMPLE, "--task-option", f"csv={write_table(tmp_path / 'table.csv')}",
-                "--task-option", "hidden=8"]  # AdamW over shuffled batches of 8: the order of the batches counts
+                "--task-option", "hidden=8", "--task-option", "dropout=0.3"]  # AdamW over shuffled batches of 8:
+    # the order of the batches counts, and so do the dropout masks (each member's own stream of the round)
     assert main(["simulate", "--clients", str(CLIENTS), "--workers", "1", "--seats", "2", "--quiet", "--out",
                  str(tmp_path / "simulated"), *training, *SPLIT, *ROUND]) == 0
     deployed = deployed_model(tmp_path, CLIENTS, SEED, training, SPLIT, ROUND)

@@ -169,3 +169,54 @@ def test_the_engines_batch_of_given_examples_is_what_the_built_in_loop_would_bat
 
     x, y = batch_at(fast, picked, doubled)
     assert torch.equal(x, 2 * slow.x[picked]) and torch.equal(y, slow.y[picked])
+
+
+def _dropout_task() -> Task:
+    return Task(model=lambda: nn.Sequential(nn.Linear(3, 16), nn.Dropout(0.5), nn.Linear(16, 1)),
+                client_data=lambda p: ClientData(Regression(64, p.index), Regression(16, 9)),
+                loss=lambda out, y: nn.functional.mse_loss(out.squeeze(1), y), evaluate=_mae)
+
+
+def _trained(trainer: TaskTrainer, start: list[np.ndarray], member: int, seed: int, round_id: int,
+             delay: float = 0.0) -> list[np.ndarray]:
+    task = _dropout_task()
+    trainer.use_data(task.client_data(Partition(member, 4, f"m{member}")), seed, delay)
+    trainer.set_arrays(start)
+    trainer.train(epochs=2, batch_size=8, lr=0.05, round_id=round_id)
+    return trainer.get_arrays()
+
+
+def test_a_members_dropout_draws_are_its_own_whatever_its_seat_or_process_drew_before():
+    """A model's dropout drew from torch's process-wide stream, so a simulated member's mask depended on the members
+    its seat (and the other seats) trained before it, and on nothing a deployed agent of its id could match. Each
+    member now draws from its own stream of the round (client/local_loop.member_draws), also across the pauses of a
+    slow device, in which another seat trains."""
+    import threading
+
+    torch.manual_seed(0)
+    start = TaskTrainer(_dropout_task(), _dropout_task().client_data(Partition(0, 4, "m0"))).get_arrays()
+    alone = _trained(TaskTrainer(_dropout_task(), _dropout_task().client_data(Partition(0, 4, "m0"))), start, 1, 11, 3)
+    seat = TaskTrainer(_dropout_task(), _dropout_task().client_data(Partition(0, 4, "m0")))
+    _trained(seat, start, 2, 12, 3)  # another member first, and other draws of this process's
+    torch.rand(7)
+    after_others = _trained(seat, start, 1, 11, 3)
+    for got, want in zip(after_others, alone):
+        np.testing.assert_array_equal(got, want)
+    other_round = _trained(seat, start, 1, 11, 4)
+    assert any(not np.array_equal(a, b) for a, b in zip(other_round, alone))  # a new round, new masks
+
+    turn = threading.Lock()  # two slow seats that take turns, each pausing after every step
+    seats = [TaskTrainer(_dropout_task(), _dropout_task().client_data(Partition(0, 4, "m0")), compute_lock=turn)
+             for _ in range(2)]
+    got: dict[int, list[np.ndarray]] = {}
+    threads = [threading.Thread(target=lambda k=k: got.__setitem__(k, _trained(seats[k], start, k + 1, 11 + k, 3,
+                                                                                   delay=0.002)))
+               for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want_2 = _trained(TaskTrainer(_dropout_task(), _dropout_task().client_data(Partition(0, 4, "m0"))), start, 2, 12, 3)
+    for member, want in ((0, alone), (1, want_2)):
+        for a, b in zip(got[member], want):
+            np.testing.assert_array_equal(a, b)
