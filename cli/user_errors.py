@@ -35,9 +35,10 @@ def describe(exc: BaseException) -> str:
             errno.EFBIG: "it is larger than this process may write (ulimit -f) or the disk allows; pick another disk",
             errno.EADDRINUSE: "another process uses that port: stop it or pick another port",
             errno.EINVAL: "pick another path",
-        }.get(exc.errno, "check the path and the permissions")
+        }.get(exc.errno, "check the path and the permissions" if exc.filename else "")
         notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))  # e.g. what was written all the same
-        return f"{exc.strerror or exc}{_where(exc.filename)}; {advice}{notes}"
+        # no path and no known cause (a process's "No child processes"): no advice, which would only mislead
+        return f"{exc.strerror or exc}{_where(exc.filename)}{'; ' if advice else ''}{advice}{notes}"
     return str(exc)
 
 

@@ -567,6 +567,16 @@ def test_a_full_disk_is_named_with_the_file_and_its_folder(tmp_path):
                                                                           "disk")
 
 
+def test_an_os_error_with_no_path_and_no_known_cause_gets_no_advice_about_paths(tmp_path):
+    """`simulate --aggregator-ranks 2` in a forked process once said "No child processes; check the path and the
+    permissions": no path was involved."""
+    from fedpar.cli.user_errors import describe
+
+    assert describe(ChildProcessError(errno.ECHILD, os.strerror(errno.ECHILD))) == "No child processes"
+    assert describe(OSError(errno.EIO, os.strerror(errno.EIO), str(tmp_path / "f"))) == \
+        f"Input/output error: f in folder {tmp_path}; check the path and the permissions"
+
+
 def test_a_write_cut_short_names_the_file_it_was_for(tmp_path):
     """A real write that fails half-way (a file-size limit, as a full disk would, but for this process only): the
     model's safetensors file and an atomic JSON write each raise an OSError naming the file, not its temporary
