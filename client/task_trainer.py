@@ -29,7 +29,7 @@ from fedpar.client.local_loop import (Lane, OneMember, TrainResult, member_batch
                                       trainable, update)
 from fedpar.client.trainer_protocol import CalledOff, Spec
 from fedpar.datasets.arrays import scale_hint
-from fedpar.models.weights import ModelWeights, get_weights, set_weights, weight_specs
+from fedpar.models.weights import ModelWeights, weight_specs
 from fedpar.parallel.config import PRECISIONS
 from fedpar.parallel.device import queue_waiter
 from fedpar.protocol.task_settings import TaskSettings
@@ -178,8 +178,9 @@ class TaskTrainer:
             raise TaskError(f"task {task.name!r}: model() must return a torch.nn.Module, got {type(model).__name__}")
         self.model = model.to(self.device)
         self._layout = weight_specs(self.model)  # what the coordinator sends and takes back
-        # The built-in loop updates the tensors in place, so they are listed once; a train hook may replace them.
-        self._weights = ModelWeights(self.model) if task.train is None else None
+        # The built-in loop updates the tensors in place, so they are listed once; a train hook may replace them, so
+        # they are listed again after each of its runs (not at every get and set: a state_dict walk each)
+        self._weights = ModelWeights(self.model)
         self._turn = compute_lock
         self._said_late = False  # a train hook that overruns its deadline is said once
         self._called_off = threading.Event()  # the runtime is stopping: a slow device's pause ends at once
@@ -201,14 +202,11 @@ class TaskTrainer:
 
     def get_arrays(self) -> list[np.ndarray]:
         """The model's weights (what the agent uploads), as :func:`fedpar.models.weights.get_weights`."""
-        return self._weights.get() if self._weights is not None else get_weights(self.model)
+        return self._weights.get()
 
     def set_arrays(self, arrays: list[np.ndarray]) -> None:
         """Load the round's global weights into the model, as :func:`fedpar.models.weights.set_weights`."""
-        if self._weights is not None:
-            self._weights.set(arrays)
-        else:
-            set_weights(self.model, arrays)
+        self._weights.set(arrays)
 
     @property
     def num_examples(self) -> int:
@@ -259,6 +257,9 @@ class TaskTrainer:
         except Exception:
             self._keep_layout()
             raise
+        finally:
+            if self.task.train is not None:
+                self._weights = ModelWeights(self.model)
         late = time.monotonic() - stop_at
         if late > LATE_SECONDS and self.task.train is not None and not self._said_late:
             self._said_late = True  # the hook's habit, not one member's: said once

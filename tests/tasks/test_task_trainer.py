@@ -220,3 +220,18 @@ def test_a_members_dropout_draws_are_its_own_whatever_its_seat_or_process_drew_b
     for member, want in ((0, alone), (1, want_2)):
         for a, b in zip(got[member], want):
             np.testing.assert_array_equal(a, b)
+
+
+def test_weights_a_train_hook_put_in_new_tensors_are_what_the_trainer_uploads_and_loads_next():
+    """The trainer lists a hook task's tensors once a run, after the hook (not at every get and set): a hook that
+    swaps a parameter for a new one of the same shape must still be read, and loaded into, from then on."""
+    def swap(model, data, config, deadline):
+        model.weight = nn.Parameter(torch.full_like(model.weight, 7.0))
+        return len(data.train), {}
+
+    trainer = TaskTrainer(_regression_task(train=swap), ClientData(Regression(16), None))
+    trainer.set_arrays([np.zeros((1, 3), np.float32), np.zeros(1, np.float32)])
+    trainer.train(1, 8, 0.1)
+    assert (trainer.get_arrays()[0] == 7.0).all()
+    trainer.set_arrays([np.ones((1, 3), np.float32), np.zeros(1, np.float32)])
+    assert (trainer.model.weight.detach().numpy() == 1.0).all()  # into the swapped-in parameter
