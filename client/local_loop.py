@@ -116,12 +116,7 @@ def member_draws(seed: int, round_id: int, device: torch.device) -> Iterator[Non
     """torch's own random draws inside the block (a model's dropout, a task hook's torch.rand) from member ``seed``'s
     stream of round ``round_id``, as a deployed agent of its id draws them whatever this process ran before; the
     process's streams are put back after. Apart from the batch order's (:func:`shuffling_generator`)."""
-    generators = [torch.default_generator]
-    if device.type == "cuda":
-        generators.append(torch.cuda.default_generators[device.index if device.index is not None
-                                                        else torch.cuda.current_device()])
-    # the generators themselves: torch.random.fork_rng and torch.manual_seed visit every backend, 0.29 ms a member
-    # (a tenth of the plain loop's whole 10-member round), against 2 us
+    generators = draw_generators(device)
     kept = [g.get_state() for g in generators]
     for g in generators:
         g.manual_seed((seed * 1_000_003 + round_id) ^ DRAWS_STREAM)
@@ -130,6 +125,17 @@ def member_draws(seed: int, round_id: int, device: torch.device) -> Iterator[Non
     finally:
         for g, state in zip(generators, kept):
             g.set_state(state)
+
+
+def draw_generators(device: torch.device) -> list[torch.Generator]:
+    """The generators a member's training on ``device`` draws from: the CPU's, and the device's own on a GPU. The
+    generators themselves, seeded and kept directly: torch.random.fork_rng and torch.manual_seed visit every backend,
+    0.29 ms a member (a tenth of the plain loop's whole 10-member round), against 2 us."""
+    generators = [torch.default_generator]
+    if device.type == "cuda":
+        generators.append(torch.cuda.default_generators[device.index if device.index is not None
+                                                        else torch.cuda.current_device()])
+    return generators
 
 
 DRAWS_STREAM = 0x5EED  # keeps a member's torch draws off its batch order's stream of the same seed and round

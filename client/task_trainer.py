@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedpar.client.local_loop import (Lane, OneMember, TrainResult, member_batches, member_draws, objective, run_loop,
-                                      trainable, update)
+from fedpar.client.local_loop import (Lane, OneMember, TrainResult, draw_generators, member_batches, member_draws,
+                                      objective, run_loop, trainable, update)
 from fedpar.client.trainer_protocol import CalledOff, Spec
 from fedpar.datasets.arrays import scale_hint
 from fedpar.models.weights import ModelWeights, weight_specs
@@ -324,17 +324,16 @@ class TaskTrainer:
         if self._turn is None:
             self._sleep(self.delay)
             return
-        on_gpu = torch.device(self.device).type == "cuda"
         # the seat that trains meanwhile draws from its own member's stream (client/local_loop.member_draws)
-        draws = torch.random.get_rng_state(), torch.cuda.get_rng_state(self.device) if on_gpu else None
+        generators = draw_generators(self.device)
+        kept = [g.get_state() for g in generators]
         self._turn.release()
         try:
             self._sleep(self.delay)
         finally:
             self._turn.acquire()
-            torch.random.set_rng_state(draws[0])
-            if on_gpu:
-                torch.cuda.set_rng_state(draws[1], self.device)
+            for g, state in zip(generators, kept):
+                g.set_state(state)
 
     def _sleep(self, seconds: float) -> None:
         """Wait ``seconds`` as a slow device would; CalledOff as soon as :meth:`call_off` is called (a trace's step
