@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ class ResidualStore:
     def __init__(self, shapes: list[tuple[int, ...]], folder: str | Path | None = None):
         self.shapes = [tuple(s) for s in shapes]
         self._own = folder is None
+        self._making = threading.Lock()  # a host's seats save at once: the first saves must make one folder, not two
         self.folder = None if folder is None else Path(folder)
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -30,7 +32,9 @@ class ResidualStore:
 
     def _path(self, client: str) -> Path:
         if self.folder is None:
-            self.folder = Path(tempfile.mkdtemp(prefix="fedpar-residuals-"))
+            with self._making:
+                if self.folder is None:
+                    self.folder = Path(tempfile.mkdtemp(prefix="fedpar-residuals-"))
         return self.folder / f"{client}.npy"  # client ids are checked names (no path separators)
 
     def load(self, client: str) -> list[np.ndarray] | None:

@@ -261,11 +261,15 @@ class ClientRuntime:
             i, task = item
             try:
                 self.run_task(seat, i, task)
-            except Exception:  # one member's failure must not stop the seat
+            except Exception as err:  # one member's failure must not stop the seat
                 # once stopped, what the task used (its connection, its residuals) may be closed under it: moot
-                level = logging.DEBUG if self._stop.is_set() else logging.ERROR
-                log.log(level, "%s: task of %s failed", self.config.agent_id, self.members.member_id(i),
-                        exc_info=True)
+                if self._stop.is_set():
+                    log.debug("%s: task of %s failed", self.config.agent_id, self.members.member_id(i), exc_info=True)
+                    continue
+                log.error("%s: task of %s failed", self.config.agent_id, self.members.member_id(i), exc_info=True)
+                # no update will come for it: its round need not wait out its deadline (a round it already
+                # counted an update of is left as it is)
+                self._told_failed(i, task, f"agent failed: {raised(err)}"[:MAX_REASON_CHARS])
             finally:  # its update, if any, is queued by now
                 self.link.tasks_in_flight(-1)
 

@@ -5,6 +5,8 @@ no agent per client."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -63,6 +65,70 @@ def test_a_residual_store_makes_its_temporary_folder_at_the_first_save_and_close
     assert folder.is_dir() and store.load("c1")[0].tolist() == [1.0, 1.0]
     store.close()
     assert not folder.exists()
+
+
+def test_a_residual_stores_first_saves_from_several_seats_at_once_share_one_folder(monkeypatch):
+    # A host's seats save their members' residuals at once at the end of round 1. Each first save made a folder of its
+    # own and the last one kept it, so a member whose residual went to another came back in round 2 to no file (its
+    # task raised FileNotFoundError, and its round waited out the deadline). mkdtemp made slow widens that window.
+    import tempfile
+    import threading
+    import time
+
+    from fedpar.client.member_state import ResidualStore
+
+    made = []
+    mkdtemp = tempfile.mkdtemp
+
+    def slow_mkdtemp(*args, **kwargs):
+        time.sleep(0.05)
+        made.append(mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", slow_mkdtemp)
+    store = ResidualStore([(2,)])
+    start = threading.Barrier(4)
+
+    def save(client: str) -> None:
+        start.wait()
+        store.save(client, [np.full(2, float(client[-1]), np.float32)])
+
+    seats = [threading.Thread(target=save, args=(f"c{i}",)) for i in range(4)]
+    for seat in seats:
+        seat.start()
+    for seat in seats:
+        seat.join()
+    try:
+        assert len(made) == 1
+        assert [store.load(f"c{i}")[0].tolist() for i in range(4)] == [[float(i)] * 2 for i in range(4)]
+    finally:
+        store.close()
+        for folder in made[1:]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_member_whose_task_fails_past_its_stages_own_checks_is_told_to_the_coordinator_at_once(caplog):
+    # A member's task that raises where no stage expects it (here: its top-k residual on the host's disk is not the
+    # model's size) fails that task alone, and the coordinator hears at once: the round closes on the others instead
+    # of waiting out its 60 s deadline for an update that will not come.
+    import logging
+
+    from fedpar.simulations.population import host_population
+    from support.population_host import digits_population
+
+    rows: list[dict] = []
+    with digits_population(4, rows, rounds=1, clients_per_round=4, local_epochs=1,
+                           upload_compression=CompressionConfig("topk")) as (worker, task):
+        host = host_population(worker.server, worker.population, task, worker.partition_of, 0, seats=2,
+                               poll_seconds=1.0)
+        host.residuals.save(host.members.member_id(3), [np.zeros(3, np.float32)])
+        with caplog.at_level(logging.INFO, logger="fedpar.server"):
+            host.run()  # until the coordinator says training is over
+    assert [(r["status"], r["reported"], r["rejected"]) for r in rows] == [("ok", 3, 1)]
+    assert rows[0]["round_seconds"] < 20.0
+    said = [r.getMessage() for r in caplog.records if "answered with no update" in r.getMessage()]
+    assert len(said) == 1 and "agent failed: ValueError" in said[0] and "holds 3 values" in said[0], said
 
 
 def test_a_population_of_1400_runs_with_a_cohort_of_30(tmp_path):
