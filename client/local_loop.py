@@ -116,12 +116,20 @@ def member_draws(seed: int, round_id: int, device: torch.device) -> Iterator[Non
     """torch's own random draws inside the block (a model's dropout, a task hook's torch.rand) from member ``seed``'s
     stream of round ``round_id``, as a deployed agent of its id draws them whatever this process ran before; the
     process's streams are put back after. Apart from the batch order's (:func:`shuffling_generator`)."""
+    with kept_draws(device) as generators:
+        for g in generators:
+            g.manual_seed((seed * 1_000_003 + round_id) ^ DRAWS_STREAM)
+        yield
+
+
+@contextlib.contextmanager
+def kept_draws(device: torch.device) -> Iterator[list[torch.Generator]]:
+    """The generators a member's training on ``device`` draws from (:func:`draw_generators`), their states put back
+    as they were when the block ends."""
     generators = draw_generators(device)
     kept = [g.get_state() for g in generators]
-    for g in generators:
-        g.manual_seed((seed * 1_000_003 + round_id) ^ DRAWS_STREAM)
     try:
-        yield
+        yield generators
     finally:
         for g, state in zip(generators, kept):
             g.set_state(state)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedpar.client.local_loop import (Lane, OneMember, TrainResult, draw_generators, member_batches, member_draws,
+from fedpar.client.local_loop import (Lane, OneMember, TrainResult, kept_draws, member_batches, member_draws,
                                       objective, run_loop, trainable, update)
 from fedpar.client.trainer_protocol import CalledOff, Spec
 from fedpar.datasets.arrays import scale_hint
@@ -325,15 +325,12 @@ class TaskTrainer:
             self._sleep(self.delay)
             return
         # the seat that trains meanwhile draws from its own member's stream (client/local_loop.member_draws)
-        generators = draw_generators(self.device)
-        kept = [g.get_state() for g in generators]
-        self._turn.release()
-        try:
-            self._sleep(self.delay)
-        finally:
-            self._turn.acquire()
-            for g, state in zip(generators, kept):
-                g.set_state(state)
+        with kept_draws(self.device):
+            self._turn.release()
+            try:
+                self._sleep(self.delay)
+            finally:
+                self._turn.acquire()
 
     def _sleep(self, seconds: float) -> None:
         """Wait ``seconds`` as a slow device would; CalledOff as soon as :meth:`call_off` is called (a trace's step
