@@ -29,7 +29,7 @@ from soak import MetricsTail, _kill_tree
 
 from fedpar.cli.argtypes import FedparParser
 from fedpar.client.backoff import MAX_BACKOFF_SECONDS
-from fedpar.parallel.init import free_port
+from fedpar.ports import ReservedPort
 
 ROOT = Path(__file__).resolve().parents[1]
 # The launcher of the spawned variant: serve as the command line runs it, told that forking is not safe here.
@@ -42,7 +42,8 @@ class Coordinator:
 
     def __init__(self, args, work: Path):
         self.args, self.work = args, work
-        self.port = free_port()
+        self.reserved = ReservedPort()  # held while this process lives: each start of the coordinator binds it
+        self.port = self.reserved.port
         self.tail = MetricsTail(work / "out" / "metrics.jsonl")
         self.log = work / "serve.log"
         self.proc: subprocess.Popen | None = None

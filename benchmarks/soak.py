@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 from fedpar.cli.argtypes import FedparParser  # noqa: E402
-from fedpar.parallel.init import free_port
+from fedpar.ports import ReservedPort
 
 ROOT = Path(__file__).resolve().parents[1]
 MIN_SLOPE_ROUNDS = 150  # a lifetime with fewer rounds after its warm-up gets no slope
@@ -321,7 +321,8 @@ class Soak:
 
     def __init__(self, args, work: Path):
         self.args, self.work = args, work
-        self.port = free_port()
+        self.reserved = ReservedPort()  # held while this process lives: each start of the coordinator binds it
+        self.port = self.reserved.port
         self.server = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "OMP_NUM_THREADS": "1",
                     "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])}

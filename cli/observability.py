@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from fedpar.cli.declared import add_declared
 from fedpar.cli.privacy import privacy_on
 from fedpar.cli.user_errors import UserError, check_folder_writable, check_output_folder, check_port_free
+from fedpar.ports import ReservedPort
 from fedpar.settings import setting
 
 
@@ -43,19 +44,16 @@ def check_metrics_endpoint(args: argparse.Namespace) -> None:
     check_port_free(args.metrics_host, args.metrics_port, "--metrics-port", host_option="--metrics-host")
 
 
-def metrics_port_kept(args: argparse.Namespace, avoid: range | tuple = ()) -> int | None:
-    """--metrics-port for a process that may be started again (a run resumed after its coordinator died): 0 made a
-    port free on --metrics-host now, and not in ``avoid`` (the ports ranks will bind), so that each start serves the
-    one a scraper was pointed at."""
+@contextmanager
+def metrics_port_kept(args: argparse.Namespace, avoid: range | tuple = ()) -> Iterator[int | None]:
+    """--metrics-port for a process that may be started again (a run resumed after its coordinator died), while the
+    block runs: 0 reserves a port free on --metrics-host now, and not in ``avoid`` (the ports ranks will bind), so
+    that each start serves the one a scraper was pointed at, and no other process takes it in between."""
     if args.metrics_port != 0:
-        return args.metrics_port
-    family = socket.AF_INET6 if ":" in args.metrics_host else socket.AF_INET
-    while True:
-        with socket.socket(family) as probe:
-            probe.bind((args.metrics_host, 0))
-            port = probe.getsockname()[1]
-        if port not in avoid:
-            return port
+        yield args.metrics_port
+        return
+    with ReservedPort(args.metrics_host, avoid) as port:  # the endpoint binds it all the same (SO_REUSEADDR)
+        yield port
 
 
 def require_tensorboard() -> None:

@@ -278,16 +278,18 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
     # service (--state): its launcher may have served gRPC already, which does not survive a fork.
     method = rank_start_method(may_fork=args.state is None)
     # rank 0 started again serves the endpoint a scraper was pointed at (--metrics-port 0: one port for every start)
-    kept = {"metrics_port": metrics_port_kept(args, avoid=range(args.port, args.port + world) if args.port else ())}
+    ranks_ports = range(args.port, args.port + world) if args.port else ()
     try:
-        spawn(world, serve_rank, {**plain_options(args), "launcher_warned": True, **kept, **(more or {})},
-              parent_stops=True,
-              stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True,  # rank 0 goes on without a lost rank
-              start_method=method,
-              # and when it dies, every rank starts again where the agents find it: the same port
-              # (a service's runs keep checkpoints; its operators find it on the same control port)
-              rank_0_resumes=(args.checkpoint_dir is not None or args.state is not None) and bool(args.port)
-              and (args.state is None or bool(args.control_port)))
+        with metrics_port_kept(args, avoid=ranks_ports) as metrics_port:
+            spawn(world, serve_rank, {**plain_options(args), "launcher_warned": True, "metrics_port": metrics_port,
+                                      **(more or {})},
+                  parent_stops=True,
+                  stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True,  # rank 0 goes on without a lost rank
+                  start_method=method,
+                  # and when it dies, every rank starts again where the agents find it: the same port
+                  # (a service's runs keep checkpoints; its operators find it on the same control port)
+                  rank_0_resumes=(args.checkpoint_dir is not None or args.state is not None) and bool(args.port)
+                  and (args.state is None or bool(args.control_port)))
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
         if args.state is not None:  # a service ends cleanly by signal; run() names the one the user sent
             raise

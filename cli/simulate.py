@@ -231,11 +231,11 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     from fedpar.cli.serve import plain_options
     from fedpar.parallel.init import LaunchStopped, rank_start_method, spawn
     from fedpar.parallel.stopping import exit_code, signal_name
-    options = {**plain_options(args), "coordinator_threads": torch.get_num_threads(), "launcher_pid": os.getpid(),
-               "metrics_port": metrics_port_kept(args)}  # a child started again serves the same endpoint
+    options = {**plain_options(args), "coordinator_threads": torch.get_num_threads(), "launcher_pid": os.getpid()}
     try:
-        with stop_on_signals() as received, _stops_told(received):  # spawn's own block shares `received`
-            spawn(1, simulate_here, options, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
+        # spawn's own block shares `received`; a child started again serves the same metrics endpoint
+        with metrics_port_kept(args) as metrics_port, stop_on_signals() as received, _stops_told(received):
+            spawn(1, simulate_here, {**options, "metrics_port": metrics_port}, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
                   start_method=rank_start_method(), rank_0_resumes=cfg.checkpoint_dir is not None)
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: the child wrote what completed, and said so
         if isinstance(exc, LaunchStopped) and exc.rank_0_said_nothing:  # stopped as it started (spawned ranks)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from contextlib import contextmanager
 from functools import partial
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from fedpar.parallel.rendezvous import bound_store, gloo_on_loopback
 from fedpar.parallel.restarts import NAMESPACE_ENV, REPLACEMENT_ENV, RestartBudget
 from fedpar.parallel.stopping import StopRequested, default_terminate, die_with_parent, dump_stacks_on_signal, \
     interrupts_held, parent_stops_this, raise_lost_stop, stop_on_signals
+from fedpar.ports import ReservedPort
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -43,13 +44,6 @@ class DistInfo:
     def is_main(self) -> bool:
         """True on global rank 0, the only rank that logs and writes run outputs."""
         return self.rank == 0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (bind to port 0 and read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 _joined: DistInfo | None = None  # what init_distributed set up in this process
@@ -187,41 +181,43 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     # A launch whose ranks all start and end together meets at a store this launcher holds, as torchrun's agent
     # does: it binds a free port itself, so nothing can take the port between its choice and rank 0's bind
     # (EADDRINUSE, seen on a busy 16-core box). Where rank 0 outlives lost ranks or starts again, it holds the store
-    # (a replacement rank meets it there); a forked rank would inherit the store's thread-less server.
+    # (a replacement rank meets it there) on a port this launcher keeps reserved for every start of rank 0; a forked
+    # rank would inherit the store's thread-less server.
     held = None if rank_0_decides or rank_0_resumes or start_method == "fork" else _launcher_store()
-    if not parent_stops:  # `held` serves until this function returns
-        mp.start_processes(_spawned_worker, args=(nproc, _port_of(held), fn, args, False, _store_env(held),
-                                                  launcher_side(start_method)),
-                           nprocs=nproc, join=True, start_method=start_method)
-        return
-    budget = restarts or RestartBudget()
-    while True:
-        port = _port_of(held)
-        env = {NAMESPACE_ENV: f"fedpar/ranks/{secrets.token_hex(4)}"} if rank_0_decides else _store_env(held)
-        context = None
-        with stop_on_signals(on_second=lambda: [p.kill() for p in (context.processes if context else ())
-                                                if p.is_alive()]):
-            try:
-                with interrupts_held(start_method):  # a Ctrl-C that comes while they start stops them after
-                    context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env,
-                                                                        launcher_side(start_method)),
-                                                 nprocs=nproc, join=False, start_method=start_method)
-                if not (rank_0_decides or rank_0_resumes):
-                    while not _ranks_joined(context, on_rank_lost):
-                        raise_lost_stop()
-                elif _follow_rank_0(context, partial(_start_replacement, nproc=nproc, port=port, fn=fn, args=args,
-                                                     env=env, start_method=start_method), budget, rank_0_resumes):
-                    continue  # rank 0 died and resumes: every rank again
-            except KeyboardInterrupt as exc:
-                if context is not None:
-                    stop_ranks(context.processes, stop_grace)
-                # A rank 0 that this stop ended before it took stops itself (a spawned rank still starts its
-                # interpreter and imports torch: seconds), or that a signal had ended just before (kill -9, then
-                # Ctrl-C at once), said nothing of it; the caller may say it instead.
-                exitcode = None if context is None else context.processes[0].exitcode
-                silent = exitcode is None or exitcode < 0
-                raise LaunchStopped(exc.signum if isinstance(exc, StopRequested) else signal.SIGINT, silent) from None
-        return
+    with _meeting_port(held) as port:
+        if not parent_stops:  # `held` serves until this function returns
+            mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, False, _store_env(held),
+                                                      launcher_side(start_method)),
+                               nprocs=nproc, join=True, start_method=start_method)
+            return
+        budget = restarts or RestartBudget()
+        while True:
+            env = {NAMESPACE_ENV: f"fedpar/ranks/{secrets.token_hex(4)}"} if rank_0_decides else _store_env(held)
+            context = None
+            with stop_on_signals(on_second=lambda: [p.kill() for p in (context.processes if context else ())
+                                                    if p.is_alive()]):
+                try:
+                    with interrupts_held(start_method):  # a Ctrl-C that comes while they start stops them after
+                        context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env,
+                                                                            launcher_side(start_method)),
+                                                     nprocs=nproc, join=False, start_method=start_method)
+                    if not (rank_0_decides or rank_0_resumes):
+                        while not _ranks_joined(context, on_rank_lost):
+                            raise_lost_stop()
+                    elif _follow_rank_0(context, partial(_start_replacement, nproc=nproc, port=port, fn=fn, args=args,
+                                                         env=env, start_method=start_method), budget, rank_0_resumes):
+                        continue  # rank 0 died and resumes: every rank again
+                except KeyboardInterrupt as exc:
+                    if context is not None:
+                        stop_ranks(context.processes, stop_grace)
+                    # A rank 0 that this stop ended before it took stops itself (a spawned rank still starts its
+                    # interpreter and imports torch: seconds), or that a signal had ended just before (kill -9, then
+                    # Ctrl-C at once), said nothing of it; the caller may say it instead.
+                    exitcode = None if context is None else context.processes[0].exitcode
+                    silent = exitcode is None or exitcode < 0
+                    signum = exc.signum if isinstance(exc, StopRequested) else signal.SIGINT
+                    raise LaunchStopped(signum, silent) from None
+            return
 
 
 def _ranks_joined(context: mp.ProcessContext, on_rank_lost: Callable[[], None] | None) -> bool:
@@ -255,9 +251,15 @@ def _launcher_store() -> dist.TCPStore:
     return bound_store("127.0.0.1", 0, timedelta(seconds=300))
 
 
-def _port_of(store: dist.TCPStore | None) -> int:
-    """The port the ranks meet at: ``store``'s, else one that rank 0 binds (free a moment ago)."""
-    return store.port if store is not None else free_port()
+@contextmanager
+def _meeting_port(store: dist.TCPStore | None) -> Iterator[int]:
+    """The port the ranks meet at while the block runs: ``store``'s, else one reserved here that rank 0 binds (at
+    each of its starts)."""
+    if store is not None:
+        yield store.port
+        return
+    with ReservedPort() as port:
+        yield port
 
 
 def _store_env(store: dist.TCPStore | None) -> dict[str, str]:

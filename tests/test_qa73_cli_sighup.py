@@ -16,7 +16,7 @@ from pathlib import Path
 from fedpar.cli.main import main
 from fedpar.parallel.stopping import StopRequested, stop_on_signals
 from fedpar.wording import counted
-from support.ports import closed_port
+from support.ports import free_port
 from support.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_sighup_stops_a_run_service_as_sigterm_does(tmp_path):
 
 
 def test_sighup_stops_a_client_with_its_last_line(tmp_path):
-    proc = _start(tmp_path, ["client", "--server", f"127.0.0.1:{closed_port()}", "--insecure", "--agent-id", "alice",
+    proc = _start(tmp_path, ["client", "--server", f"127.0.0.1:{free_port()}", "--insecure", "--agent-id", "alice",
                              "--threads", "1", "--device", "cpu", "--max-backoff", "0.5"])
     _wait_for(proc, tmp_path, lambda: "coordinator unreachable" in (tmp_path / "run.log").read_text())
     proc.send_signal(signal.SIGHUP)

@@ -20,8 +20,9 @@ from fedpar.datasets import load_dataset
 from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.child_logs import LauncherSide, launcher_side, log_like_parent, own_standard_streams
 from fedpar.parallel.restarts import RestartBudget
-from fedpar.parallel.init import exit_rank_process, free_port, join_gloo_group, rank_start_method, shutdown_distributed
+from fedpar.parallel.init import exit_rank_process, join_gloo_group, rank_start_method, shutdown_distributed
 from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, interrupts_held, parent_stops_this
+from fedpar.ports import ReservedPort
 from fedpar.security.admission import Admission
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
@@ -115,7 +116,8 @@ class IngestRanks:
     """Ranks 1..N-1 in spawned processes, and this process joined as rank 0; :attr:`leader` goes to the coordinator."""
 
     def __init__(self, world: int, spec: IngestRankSpec):
-        self.port = free_port()
+        reserved = ReservedPort()  # rank 0's store binds it below: until then no other process can take it
+        self.port = reserved.port
         self.namespace = f"fedpar/ranks/{secrets.token_hex(4)}"  # this run's keys in the rendezvous store
         rank_config = dataclasses.replace(spec.config, metrics_path=None, checkpoint_dir=None)
         self.spec = dataclasses.replace(spec, config=rank_config)
@@ -124,10 +126,11 @@ class IngestRanks:
         # never forked: this process runs the coordinator's threads (a fork server's copies, else spawned)
         self.start_method = rank_start_method(may_fork=False)
         self.procs = [self._process(r, replacing=False) for r in range(1, world)]
-        with interrupts_held(self.start_method):  # rank 0 stops them
-            for p in self.procs:
-                p.start()
-        _join(0, world, self.port, self.spec)
+        with reserved:
+            with interrupts_held(self.start_method):  # rank 0 stops them
+                for p in self.procs:
+                    p.start()
+            _join(0, world, self.port, self.spec)
         self.leader = RankLeader(RankGroup(self.spec.config.aggregator_timeout_seconds, self.namespace),
                                  tls=server_tls_files(spec.certs_dir) if spec.certs_dir else None, on_lost=self.end,
                                  ended=lambda rank: self.procs[rank - 1].exitcode is not None)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 
 from support.in_process import run_main
-from support.ports import closed_port
+from support.ports import free_port
 
 
 
 def test_a_config_file_gives_the_client_its_agent_id(tmp_path, capfd):
     (tmp_path / "cl.toml").write_text('[client]\nagent_id = "from-file"\ngive_up_after = 0.3\n')
     done = run_main(["client", "--config", str(tmp_path / "cl.toml"), "--insecure", "--server",
-                     f"127.0.0.1:{closed_port()}"], capfd)
+                     f"127.0.0.1:{free_port()}"], capfd)
     assert done.returncode == 1, done.stderr  # parsed, and ran until the closed port was given up on
     assert "fedpar client: from-file: coordinator at 127.0.0.1:" in done.stderr and "Traceback" not in done.stderr
 

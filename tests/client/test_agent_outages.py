@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from fedpar.client.links import Reconnecting
-from support.ports import closed_port
+from support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def _lines_until(stream, words: str, timeout: float) -> list[str]:
 
 
 def test_an_agent_says_a_coordinator_outage_once_and_sigterm_stops_it_as_ctrl_c_does():
-    agent = _agent(closed_port())
+    agent = _agent(free_port())
     try:
         first = _lines_until(agent.stderr, "coordinator unreachable", 120)[-1]
         time.sleep(4)  # retries every 0.25-0.75 s (--max-backoff 0.5): a line for each of 5 or more before
@@ -82,7 +82,7 @@ def test_a_long_outage_is_said_again_every_remind_seconds_and_its_end_is_said(ca
         server.add_generic_rpc_handlers((_Ping(),))
     live = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
-    down = grpc.insecure_channel(f"127.0.0.1:{closed_port()}")
+    down = grpc.insecure_channel(f"127.0.0.1:{free_port()}")
     up = grpc.insecure_channel(live)
     back_at = time.monotonic() + 1.75
 

@@ -12,7 +12,7 @@ import pytest
 from fedpar.cli.agent_setup import Connection
 from fedpar.client.backoff import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, Backoff
 from fedpar.client.links import AgentConfig, FatalAgentError, Reconnecting
-from fedpar.parallel.init import free_port
+from support.ports import free_port
 
 
 def test_waits_double_from_the_first_step_and_never_pass_the_cap():

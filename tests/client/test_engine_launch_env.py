@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fedpar.parallel.init import free_port
+from support.ports import free_port
 from support.in_process import run_main
 
 AGENT = ["client", "--agent-id", "a", "--server", "127.0.0.1:1", "--insecure", "--device", "cpu",

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from fedpar.client.links import FatalAgentError, Reconnecting
-from support.ports import closed_port
+from support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 GIVE_UP = 3.0
@@ -23,7 +23,7 @@ GIVE_UP = 3.0
 
 
 def test_fedpar_client_gives_up_at_give_up_after_and_says_the_time_it_waited():
-    port = closed_port()
+    port = free_port()
     agent = subprocess.Popen([sys.executable, "-m", "fedpar", "client", "--server", f"127.0.0.1:{port}", "--insecure",
                               "--agent-id", "a", "--give-up-after", str(GIVE_UP), "--threads", "1", "--device", "cpu"],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -55,7 +55,7 @@ class Longest:
 
 
 def test_the_last_wait_is_cut_to_the_time_left_and_the_line_says_the_time_waited():
-    address = f"127.0.0.1:{closed_port()}"
+    address = f"127.0.0.1:{free_port()}"
     channel = grpc.insecure_channel(address)
     ping = channel.unary_unary("/fedpar.Probe/Ping")
     calls = Reconnecting("a", address, join=lambda: None, first=0.4, cap=5.0, rng=Longest(),

@@ -15,7 +15,7 @@ import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
 from support.hostile_coordinator import HostileCoordinator, digits_layout, inline_task, run_agent, weights_of
-from support.ports import closed_port
+from support.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 DEADLINE = 300.0  # the round's: the agent must not wait it out
@@ -46,7 +46,7 @@ class _Restarted(HostileCoordinator):
 
 def test_an_upload_to_a_rank_that_refuses_connections_is_given_up_and_the_agent_pulls_again(tmp_path):
     layout = digits_layout()
-    dead = closed_port()
+    dead = free_port()
     coordinator = _Restarted([inline_task(layout, weights_of(layout, 0.01), deadline_seconds=DEADLINE,
                                           ingest_host="127.0.0.1", ingest_port=dead)])
     try:
@@ -78,7 +78,7 @@ def test_a_hosts_background_updates_to_a_rank_that_refuses_connections_are_given
     from fedpar.client.transfer import SmallUpdate
     from fedpar.protocol.codec import CoordinatorStub, ModelLayout
 
-    address = f"127.0.0.1:{closed_port()}"
+    address = f"127.0.0.1:{free_port()}"
     stub = CoordinatorStub(grpc.insecure_channel(address))
     uploads = HostUploads(stub, pb.AgentAuth(agent_id="host-a"), max_bytes=1 << 20, rank=address if rank else "")
     update = SmallUpdate(pb.UploadHeader(task_id="t"), ModelLayout([("t", "uint8", (8,))]), [np.zeros(8, np.uint8)])

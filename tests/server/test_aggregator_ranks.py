@@ -23,7 +23,7 @@ import pytest
 
 from fedpar.aggregation import build_strategy
 from fedpar.datasets import load_dataset
-from fedpar.parallel.init import free_port
+from support.ports import free_port
 from fedpar.protocol.codec import CoordinatorStub, ModelLayout, channel_options, layout_to_pb
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import load_checkpoint

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedpar.parallel.init import free_port
+from fedpar.ports import ReservedPort
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMBERS, AGENTS = 4, 2  # the host's population, and the plain agents beside it
@@ -60,7 +60,8 @@ def _logs(tmp: Path) -> str:
 
 
 def test_a_population_host_and_agents_outlive_two_coordinator_restarts(tmp_path):
-    port = free_port()
+    reserved = ReservedPort()  # the coordinator's port at its three starts: no other process takes it in between
+    port = reserved.port
     server = _serve(tmp_path, port)
     clients: list[subprocess.Popen] = []
     restarts = []  # the last round checkpointed before each kill
@@ -89,6 +90,7 @@ def test_a_population_host_and_agents_outlive_two_coordinator_restarts(tmp_path)
         for p in (server, *clients):
             if p.poll() is None:
                 p.kill()
+        reserved.close()
     rows = _rows(tmp_path)
     assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))  # every round once, across the restarts
     serve_log = (tmp_path / "serve.log").read_text()

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fedpar.parallel.init import free_port
+from support.ports import free_port
 from support.processes import port_in_file
 
 ROOT = Path(__file__).resolve().parents[2]

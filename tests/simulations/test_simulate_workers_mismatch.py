@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fedpar.parallel.init import free_port
+from support.ports import free_port
 
 
 def _node(rank: int, master: int, options: list[str]) -> subprocess.Popen:

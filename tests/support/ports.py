@@ -29,8 +29,9 @@ def free_port_run(count: int, attempts: int = 50) -> int:
     raise RuntimeError(f"no {count} consecutive free loopback ports in {attempts} tries")
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (free a moment ago): a coordinator that is down."""
+def free_port() -> int:
+    """A loopback port nothing listens on (free a moment ago): a coordinator that is down, the rendezvous port of
+    processes a test starts (one that must stay free across restarts: fedpar.ports.ReservedPort)."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         return held.getsockname()[1]
