@@ -20,9 +20,10 @@ ALLOWED = {
     "server": BASE | {"secagg", "aggregation", "parallel", "tasks"},  # aggregator ranks join a gloo group
     "client": BASE | {"secagg", "aggregation", "parallel", "tasks"},  # large-model agents train on the engine
 }
-PACKAGE_ROOT = {"settings", "ranges", "sections", "task", "discovery", "meant", "wording"}  # fedpar/settings.py,
+PACKAGE_ROOT = {"settings", "ranges", "sections", "task", "discovery", "meant", "wording", "ports"}  # settings.py,
 # ranges.py (the declared ranges), sections.py, task.py (the public Task), discovery.py (finding the strategies and
-# datasets of a package), meant.py (the one "did you mean"), wording.py (how a line says a count): every room
+# datasets of a package), meant.py (the one "did you mean"), wording.py (how a line says a count), ports.py (a port
+# held for a listener that starts later): every room
 
 
 def _imported_rooms(folder: Path) -> dict[str, str]:
