@@ -23,7 +23,7 @@ ALLOWED = {
 PACKAGE_ROOT = {"settings", "ranges", "sections", "task", "discovery", "meant", "wording", "ports"}  # settings.py,
 # ranges.py (the declared ranges), sections.py, task.py (the public Task), discovery.py (finding the strategies and
 # datasets of a package), meant.py (the one "did you mean"), wording.py (how a line says a count), ports.py (a port
-# held for a listener that starts later): every room
+# held for a listener that starts later): every room may import them
 
 
 def _imported_rooms(folder: Path) -> dict[str, str]:
