@@ -7,12 +7,18 @@ Memory stays one residual per seat whatever the population; the disk holds one m
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
+
+
+class ResidualNotKept(OSError):
+    """A client's residual could not be written (a full disk, a folder gone): it is forgotten, so the client's error
+    feedback starts again from zero, as a new client's does."""
 
 
 class ResidualStore:
@@ -51,16 +57,32 @@ class ResidualStore:
     def save(self, client: str, residual: list[np.ndarray] | None) -> None:
         """Keep ``client``'s residual (None: forget it)."""
         if residual is None:  # a plain round's: nothing to keep, and most clients have no file to remove
-            if client in self._kept:
-                self._path(client).unlink(missing_ok=True)
-                self._kept.discard(client)
+            self._forget(client)
             return
-        path = self._path(client)
         flat = np.concatenate([np.asarray(r, np.float32).ravel() for r in residual])
-        tmp = path.with_suffix(".tmp.npy")
-        np.save(tmp, flat, allow_pickle=False)
-        tmp.replace(path)
+        try:
+            path = self._path(client)
+            tmp = path.with_suffix(".tmp.npy")
+            try:
+                np.save(tmp, flat, allow_pickle=False)
+                tmp.replace(path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)  # a part written before the disk filled up
+                raise
+        except OSError as err:
+            self._forget(client)  # an older residual must not come back in its place
+            # numpy says a short write as "N requested and M written", with no errno
+            detail = err.strerror or f"{err} (is the disk full?)"
+            raise ResidualNotKept(f"cannot keep {client}'s residual in {self.folder}: {detail}") from None
         self._kept.add(client)
+
+    def _forget(self, client: str) -> None:
+        """``client`` has no residual from here on (a file that cannot be removed is not read again)."""
+        if client in self._kept:
+            self._kept.discard(client)
+            with contextlib.suppress(OSError):
+                self._path(client).unlink(missing_ok=True)
 
     def __len__(self) -> int:
         return len(self._kept)

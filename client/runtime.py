@@ -29,7 +29,7 @@ from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.backoff import Backoff, Pacer, jittered
 from fedpar.client.links import (RETRYABLE, AgentConfig, AgentLink, Connection, FatalAgentError, HostLink, Members,
                                 Reconnecting, check_task_clock)
-from fedpar.client.member_state import ResidualStore
+from fedpar.client.member_state import ResidualNotKept, ResidualStore
 from fedpar.client.model_fit import ModelMismatch
 from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
@@ -119,7 +119,7 @@ class ClientRuntime:
         self._to_evaluate: dict[int, list[int]] = {}  # per round: members queued, not yet evaluated
         self._evaluations: dict[tuple[int, int], object] = {}  # (round, member): its EvalResult (or None)
         self._newest_round: int | None = None  # the round of the newest task received (another's uploads are moot)
-        self._no_time_said: int | None = None  # the last round a population's members without time to train were said
+        self._said_in_round: dict[str, int] = {}  # kind -> the last round a population's members were said of it
         self._evaluation_lock = threading.Lock()
         # members that outnumber the seats keep their top-k residuals on disk between their rounds
         self.residuals = ResidualStore([tuple(t.shape) for t in self.layout.tensors]) \
@@ -388,7 +388,10 @@ class ClientRuntime:
             self._count("accepted")
             mode.close()
         if self.residuals is not None:
-            self.residuals.save(member, seat.compression.take_residual())
+            try:
+                self.residuals.save(member, seat.compression.take_residual())
+            except ResidualNotKept as err:  # its update went up: only its error feedback starts again from zero
+                self._residual_not_kept(member, task.round, err)
         return True
 
     def _over(self, round_id: int, since: float) -> bool:
@@ -399,17 +402,29 @@ class ClientRuntime:
         return self._newest_round != round_id or (heard is not None and heard != round_id)
 
     def _no_time_to_train(self, member: str, round_id: int) -> None:
-        """``member`` skips its upload of ``round_id``: no time was left to train. An agent says so each time; a
-        population's host once a round (thousands of its members may, when the deadline is short for a cohort)."""
+        """``member`` skips its upload of ``round_id``: no time was left to train."""
+        self._say_per_round("no time", round_id, f"{member}: no time left to train in round {round_id}; skipping the "
+                            "upload", f"members had no time left to train in round {round_id}, so they skip their "
+                            "uploads (the deadline is short for them; --log-level info names each)")
+
+    def _residual_not_kept(self, member: str, round_id: int, err: ResidualNotKept) -> None:
+        """``member``'s compression residual of ``round_id`` could not be written: it starts again from zero."""
+        self._say_per_round("residual", round_id, f"{member}: {err}; its error feedback starts again from zero",
+                            f"members' compression residuals of round {round_id} cannot be kept ({err}); their "
+                            "error feedback starts again from zero, their updates still count (free space there, or "
+                            "give TMPDIR a folder with room; --log-level info names each)")
+
+    def _say_per_round(self, kind: str, round_id: int, each: str, once: str) -> None:
+        """A line that an agent says each time (``each``), and a population's host once a round of each ``kind``
+        (``once``: thousands of its members may meet the same cause), naming each member at info level."""
         if not self.members.population:
-            log.warning("%s: no time left to train in round %d; skipping the upload", member, round_id)
+            log.warning("%s", each)
             return
-        log.info("%s: no time left to train in round %d; skipping the upload", member, round_id)
+        log.info("%s", each)
         with self._stats_lock:
-            said, self._no_time_said = self._no_time_said, round_id
+            said, self._said_in_round[kind] = self._said_in_round.get(kind), round_id
         if said != round_id:
-            log.warning("%s: members had no time left to train in round %d, so they skip their uploads (the deadline "
-                        "is short for them; --log-level info names each)", self.config.agent_id, round_id)
+            log.warning("%s: %s", self.config.agent_id, once)
 
     def _failed(self, seat: Seat, i: int, task: pb.TrainTask, stage: str, err: Exception) -> bool:
         """Member ``i``'s own code raised ``err`` in its ``stage`` of ``task`` (data, evaluation, training): noted

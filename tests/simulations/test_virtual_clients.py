@@ -131,6 +131,60 @@ def test_a_member_whose_task_fails_past_its_stages_own_checks_is_told_to_the_coo
     assert len(said) == 1 and "agent failed: ValueError" in said[0] and "holds 3 values" in said[0], said
 
 
+def test_a_residual_that_cannot_be_written_is_forgotten_and_said_to_be(tmp_path):
+    # A full disk (a file-size limit on this process: writes past it fail with EFBIG, as with ENOSPC; Python ignores
+    # SIGXFSZ) or a folder that went away: the save fails in one named error, leaves no partial file, and the
+    # client's older residual is not read back in its place.
+    import resource
+
+    from fedpar.client.member_state import ResidualNotKept, ResidualStore
+
+    store = ResidualStore([(1024,)], folder=tmp_path / "residuals")
+    store.save("c1", [np.ones(1024, np.float32)])
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limits[1]))
+    try:
+        with pytest.raises(ResidualNotKept, match=r"cannot keep c1's residual in .*residuals: .*"
+                                                    r"(File too large|the disk full)"):
+            store.save("c1", [np.full(1024, 2.0, np.float32)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert store.load("c1") is None and len(store) == 0
+    assert sorted(p.name for p in (tmp_path / "residuals").iterdir()) == []
+    shutil.rmtree(tmp_path / "residuals")
+    (tmp_path / "residuals").write_text("")  # the folder is a file now
+    with pytest.raises(ResidualNotKept, match="cannot keep c2's residual"):
+        store.save("c2", [np.ones(1024, np.float32)])
+
+
+@pytest.mark.timeout(120)
+def test_members_whose_residuals_cannot_be_kept_still_count_and_the_host_says_so_once_a_round(tmp_path, caplog):
+    # Each member's failed save was an "agent failed" error with its traceback, once per member and round, and the
+    # coordinator was told its update failed after it had counted it.
+    import logging
+
+    from fedpar.simulations.population import host_population
+    from support.population_host import digits_population
+
+    rows: list[dict] = []
+    with digits_population(4, rows, rounds=2, clients_per_round=4, local_epochs=1,
+                           upload_compression=CompressionConfig("topk")) as (worker, task):
+        host = host_population(worker.server, worker.population, task, worker.partition_of, 0, seats=2,
+                               poll_seconds=1.0)
+        host.residuals.folder = tmp_path / "not-a-folder"  # where the host keeps them: a file, not a folder
+        host.residuals.folder.write_text("")
+        with caplog.at_level(logging.INFO):
+            host.run()  # until the coordinator says training is over
+    assert [(r["status"], r["reported"], r["rejected"]) for r in rows] == [("ok", 4, 0)] * 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "residuals" in r.getMessage()]
+    assert len(said) == 2 and all("cannot be kept" in line and "Not a directory" in line for line in said), said
+    assert "round 1" in said[0] and "round 2" in said[1]
+    each = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "error feedback starts" in
+            r.getMessage()]
+    assert len(each) == 8, each
+
+
 def test_a_population_of_1400_runs_with_a_cohort_of_30(tmp_path):
     summary, rows = _rows(clients=1400, clients_per_round=30, rounds=3, local_epochs=1, val_fraction=0.0,
                           out=str(tmp_path / "run"))
