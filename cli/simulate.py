@@ -235,8 +235,9 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     try:
         # spawn's own block shares `received`; a child started again serves the same metrics endpoint
         with metrics_port_kept(args) as metrics_port, stop_on_signals() as received, _stops_told(received):
-            spawn(1, simulate_here, {**options, "metrics_port": metrics_port}, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
-                  start_method=rank_start_method(), rank_0_resumes=cfg.checkpoint_dir is not None)
+            spawn(1, simulate_here, {**options, "metrics_port": metrics_port}, parent_stops=True,
+                  stop_grace=STOP_GRACE_SECONDS, start_method=rank_start_method(),
+                  rank_0_resumes=cfg.checkpoint_dir is not None)
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: the child wrote what completed, and said so
         if isinstance(exc, LaunchStopped) and exc.rank_0_said_nothing:  # stopped as it started (spawned ranks)
             print("fedpar simulate: interrupted", file=sys.stderr)

@@ -9,8 +9,9 @@ class ReservedPort:
     """A free port of ``host`` held for a listener that starts later, maybe more than once (a process about to be
     started, one started again): a socket bound to it with SO_REUSEADDR that never listens. While it is open no other
     bind and no outgoing connection's ephemeral port takes the port; a listener that sets SO_REUSEADDR too (the
-    rendezvous store of :func:`bound_store`, the Prometheus endpoint) binds it all the same. A port merely free a
-    moment ago is taken in between on a busy machine (EADDRINUSE in rank 0 seconds later)."""
+    rendezvous store of parallel/rendezvous.py's ``bound_store``, the Prometheus endpoint, gRPC's server) binds it
+    all the same. A port merely free a moment ago is taken in between on a busy machine (EADDRINUSE in rank 0 seconds
+    later)."""
 
     def __init__(self, host: str = "127.0.0.1", avoid: range | tuple = ()):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from contextlib import contextmanager
 from functools import partial
 from multiprocessing.connection import wait
 from pathlib import Path

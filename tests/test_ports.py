@@ -34,7 +34,8 @@ def _serves_metrics(port: int) -> bool:
     Counter("fedpar_probe", "a probe", registry=registry).inc()
     server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
     try:
-        return b"fedpar_probe_total 1.0" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        return b"fedpar_probe_total 1.0" in scraped
     finally:
         server.shutdown()
         server.server_close()
