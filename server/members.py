@@ -211,6 +211,10 @@ class Members:
         self._changed.set()
 
     # ----------------------------------------------------------------- sampling
+    def live_and_connected_ids(self) -> tuple[list[str], list[str]]:
+        """(:meth:`live_ids`, every live member's id, those lacking the run's task too)."""
+        return self.live_ids(), self.registry.live_ids()
+
     def live_ids(self) -> list[str]:
         """Ids of the members that may be sampled now, sorted (not those lacking the run's task)."""
         live = self.registry.live_ids()
