@@ -212,8 +212,10 @@ class Members:
 
     # ----------------------------------------------------------------- sampling
     def live_and_connected_ids(self) -> tuple[list[str], list[str]]:
-        """(:meth:`live_ids`, every live member's id, those lacking the run's task too)."""
-        return self.live_ids(), self.registry.live_ids()
+        """(:meth:`live_ids`, every live member's id, those lacking the run's task too): one pass over the live
+        members when none lacks the task."""
+        connected = self.registry.live_ids()
+        return (self.live_ids() if self._lacking else connected), connected
 
     def live_ids(self) -> list[str]:
         """Ids of the members that may be sampled now, sorted (not those lacking the run's task)."""
