@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m fedpar.cli.main: before this module's imports, as cli/entry.py does
+    from fedpar.cli.leaving import arrange
+
+    arrange()  # before logging and the rest add exit handlers
+
 import argparse
 import importlib
 import importlib.util
@@ -11,7 +16,7 @@ import sys
 
 from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
 
-if __name__ == "__main__":  # python -m fedpar.cli.main: before gRPC loads (fedpar.cli.config imports it), as gRPC
+if __name__ == "__main__":  # before gRPC loads (fedpar.cli.config imports it), as gRPC
     set_grpc_verbosity(sys.argv[2:])  # reads GRPC_VERBOSITY once, when it is imported (cli/entry.py does the same)
 
 from fedpar.cli.argtypes import ELSEWHERE_CALLED, FedparParser, text
@@ -149,4 +154,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from fedpar.cli.leaving import leave
+
+    leave(main())
