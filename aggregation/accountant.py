@@ -29,12 +29,15 @@ class PrivacyAccountant:
         if not 0 < delta < 1:
             raise ValueError(f"dp delta must be in (0, 1), got {delta}")
         self.delta = float(delta)
-        self._accountant = _rdp_accountant()
+        self._history: list[tuple[float, float, int]] = []
+        # opacus is imported (2.5 s of CPU: scipy.stats, sympy) only when epsilon is first asked for: an aggregator
+        # rank other than 0 and a strategy built to be checked never ask
+        self._accountant = None
 
     @property
     def history(self) -> list[tuple[float, float, int]]:
         """Composed mechanisms as (noise_multiplier, sample_rate, num_steps), consecutive equal ones merged."""
-        return [(float(s), float(q), int(n)) for s, q, n in self._accountant.history]
+        return list(self._history)
 
     @property
     def steps(self) -> int:
@@ -47,12 +50,19 @@ class PrivacyAccountant:
             raise ValueError(f"noise multiplier must be a finite number > 0, got {noise_multiplier}")
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
-        self._accountant.step(noise_multiplier=float(noise_multiplier), sample_rate=float(sample_rate))
+        sigma, q = float(noise_multiplier), float(sample_rate)
+        if self._history and self._history[-1][:2] == (sigma, q):  # merged as opacus's RDPAccountant.step does
+            self._history[-1] = (sigma, q, self._history[-1][2] + 1)
+        else:
+            self._history.append((sigma, q, 1))
 
     def epsilon(self) -> float:
         """Epsilon spent so far at ``delta`` (0.0 before the first round)."""
-        if not self._accountant.history:
+        if not self._history:
             return 0.0
+        if self._accountant is None:
+            self._accountant = _rdp_accountant()
+        self._accountant.history = list(self._history)
         with warnings.catch_warnings():
             # At an edge of opacus's orders (a noise of 1e30 or 0.01) epsilon is still an upper bound, only a looser
             # one: opacus says so in a two-line UserWarning that a user of fedpar can do nothing about.
@@ -73,5 +83,4 @@ class PrivacyAccountant:
             if not (sigma > 0 and math.isfinite(sigma) and 0 < q <= 1 and n >= 1):
                 raise ValueError(f"bad accountant history entry {entry!r}")
             history.append((sigma, q, n))
-        self._accountant = _rdp_accountant()
-        self._accountant.history = history
+        self._history = history

@@ -354,3 +354,42 @@ def test_a_secure_sum_is_refused_where_the_server_would_clip_or_the_weights_are_
         s.fold_secure_sum(_model(np.zeros(10)), 4, 4, [1.5])  # half a bit: no agent's clip bit is that
     s.fold_secure_sum(_model(np.zeros(10)), 4, 4, [1.0])  # the refusals changed nothing: it still takes one
     assert s.folded == 4
+
+
+def test_a_dp_strategy_that_never_reports_epsilon_never_imports_opacus():
+    # opacus's import is 2.5 s of CPU (scipy.stats, sympy): an aggregator rank other than 0 builds the DP strategy
+    # and folds, and a resumed one loads the history, without ever being asked for epsilon
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from fedpar.aggregation import DPStrategy, FedAvg
+        s = DPStrategy(FedAvg(), noise_multiplier=1.0, clip_norm=1.0, population=100, clients_per_round=4, seed=0)
+        s.accountant.step(1.0, 0.04)
+        s.accountant.step(1.0, 0.04)
+        s.accountant.step(2.0, 0.04)
+        s.accountant.load_state(s.accountant.state())
+        assert s.accountant.history == [(1.0, 0.04, 2), (2.0, 0.04, 1)], s.accountant.history
+        print("opacus" in sys.modules)
+        s.accountant.epsilon()
+        print("opacus" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True"], done.stderr
+
+
+def test_the_accountants_history_merges_rounds_as_opacus_does_and_its_epsilon_is_opacus():
+    from fedpar.aggregation.accountant import PrivacyAccountant
+
+    ours, reference = PrivacyAccountant(1e-5), RDPAccountant()
+    for sigma, q in [(1.1, 0.01), (1.1, 0.01), (0.9, 0.01), (0.9, 0.02), (0.9, 0.02), (1.1, 0.01)]:
+        ours.step(sigma, q)
+        reference.step(noise_multiplier=sigma, sample_rate=q)
+        assert ours.history == reference.history
+        assert ours.epsilon() == reference.get_epsilon(delta=1e-5)
+    resumed = PrivacyAccountant(1e-5)
+    resumed.load_state(json.loads(json.dumps(ours.state())))
+    assert resumed.history == ours.history and resumed.epsilon() == ours.epsilon()
