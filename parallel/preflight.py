@@ -11,7 +11,6 @@ from fedpar.models import build_model
 from fedpar.models.for_data import model_kwargs_for
 from fedpar.parallel.compile import check_compile_layout
 from fedpar.parallel.config import TrainConfig
-from fedpar.parallel.parallelize import check_model_layout
 from fedpar.wording import counted
 
 
@@ -32,6 +31,10 @@ def preflight(config: TrainConfig, spawned: int = 0) -> dict:
     with torch.device("meta"):
         model = build_model(config.model, **kwargs)
     if pc.tp > 1 or pc.pp > 1:
+        # (imported here: torch's pipelining and DTensor take 1.6 s of CPU to import, which the aggregator ranks'
+        # memory check, server/ranks/memory.py, has no use for)
+        from fedpar.parallel.parallelize import check_model_layout
+
         check_model_layout(model, config.model, pc)
     if spawned:
         check_train_ranks_fit(config, spawned, sum(p.numel() for p in model.parameters()), data_bytes(data))

@@ -25,8 +25,9 @@ from fedpar.settings import SIMPLE_TYPES, coerce_value
 from fedpar.task import TASK_CODE_ERRORS, Task, TaskError, raised
 
 
-def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
-    """The Task ``ref`` makes with ``options`` (text or TOML values), checked; TaskError saying what is wrong."""
+def load_task(ref: str, options: Mapping[str, Any] | None = None, check: bool = True) -> Task:
+    """The Task ``ref`` makes with ``options`` (text or TOML values), checked (unless ``check`` is False: a process
+    whose launcher checked the same task); TaskError saying what is wrong."""
     options = dict(options or {})
     try:
         target = load_reference(ref, "task factory")
@@ -58,7 +59,8 @@ def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
     if not task.description:
         task.description = {"task": from_anywhere(ref),
                             "task_options": {k: _recorded(_anchored(v)) for k, v in options.items()}}
-    task.check()
+    if check:
+        task.check()
     return task
 
 

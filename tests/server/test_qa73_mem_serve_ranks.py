@@ -63,3 +63,15 @@ def test_the_service_s_ranks_are_checked_before_they_start(tmp_path, capfd):
                      "--aggregator-ranks", str(RANKS), *RANKS_ON_CPU], capfd, ROOT)
     _one_line(done)
     assert not state.exists()
+
+
+def test_the_ranks_memory_check_does_not_import_torchs_pipelining_or_dtensor():
+    # server/ranks/memory.py checks with parallel/preflight.py's estimate: importing the layouts' modules as well
+    # cost every multi-rank serve and simulate 1.6 s of CPU (torch._dynamo, sympy) before its ranks started
+    import subprocess
+    import sys
+
+    probe = ("import sys, fedpar.server.ranks.memory; print(sorted(m for m in ('torch._dynamo', "
+             "'torch.distributed.pipelining', 'torch.distributed.tensor') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "[]", done.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedpar.cli.main import main
+from fedpar.task import TaskError
 from support.in_process import run_main
 from support.own_task import write_table
 from support.processes import port_from
@@ -201,6 +202,16 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_when_the_task_loads(
                          "without one: use another optimizer (SGD, Adam, AdamW, ...), or step this one with a "
                          "closure in your own train(model, data, config, deadline) hook")
     assert all("Traceback" not in line for line in lines)
+
+
+def test_a_process_whose_launcher_checked_the_task_loads_it_unchecked(tasks):
+    # simulate's aggregator ranks: rank 0 refused a bad task before they started, and the optimizer check alone
+    # costs a process 1.2 s of CPU (its first optimizer imports torch._dynamo)
+    from fedpar.tasks.reference import load_task
+
+    with pytest.raises(TaskError, match="its optimizer is a LBFGS"):
+        load_task(f"{tasks}:lbfgs")
+    assert load_task(f"{tasks}:lbfgs", check=False).optimizer is not None
 
 
 def test_a_task_whose_client_data_raises_as_a_worker_starts_is_one_line_naming_the_client(tasks, capfd):
