@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 if __name__ == "__main__":  # python -m fedpar.cli.main: before this module's imports, as cli/entry.py does
+    import sys
+
     from fedpar.cli.leaving import arrange
 
     arrange()  # before logging and the rest add exit handlers
+    from fedpar.cli.log_level import set_grpc_verbosity
+
+    set_grpc_verbosity(sys.argv[2:])  # before gRPC loads (fedpar.cli.config imports it): it reads GRPC_VERBOSITY once
 
 import argparse
 import importlib
@@ -15,10 +20,6 @@ import signal
 import sys
 
 from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
-
-if __name__ == "__main__":  # before gRPC loads (fedpar.cli.config imports it), as gRPC
-    set_grpc_verbosity(sys.argv[2:])  # reads GRPC_VERBOSITY once, when it is imported (cli/entry.py does the same)
-
 from fedpar.cli.argtypes import ELSEWHERE_CALLED, FedparParser, text
 from fedpar.cli.config import ConfigError, apply_config_defaults, given_settings, refuse_unswitched
 from fedpar.cli.declared import switched_options
