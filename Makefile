@@ -30,7 +30,8 @@ simulate: $(VENV)/.installed
 # Three pytest-xdist workers, each taking whole test files (a module's shared service stays in one worker): the tests
 # spend a third of their time waiting (deadlines, processes starting), so on 2 cores two workers left the CPU idle that
 # long (1,233 s wall, 1,635 s CPU for 2,404 tests on 2026-11-28) and three fill it (1,058 s wall, 1,585 s CPU, the same
-# day and machine). The files go out in collection order, which tests/conftest.py makes longest first (not xdist's
+# day and machine; on 2026-11-29, with every process leaving without the interpreter's teardown, three 886-952 s and
+# four 890 s: no gain). The files go out in collection order, which tests/conftest.py makes longest first (not xdist's
 # most-tests-first).
 TEST_WORKERS ?= 3
 test: $(VENV)/.installed
