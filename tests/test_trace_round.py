@@ -84,10 +84,22 @@ def test_a_traced_round_runs_code_in_at_most_30_files_and_an_upload_crosses_no_m
     import json
     import subprocess
 
-    out = tmp_path / "trace.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trace_round.py"), "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    traced = json.loads(out.read_text())["results"]
-    assert traced["round"]["files"] <= 30, traced["round"]["both"]
-    assert traced["upload"]["files"] <= 11, traced["upload"]["both"]
+    def traced(attempt: int) -> dict:
+        out = tmp_path / f"trace{attempt}.json"
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trace_round.py"), "--json", str(out)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(out.read_text())["results"]
+
+    # A loaded machine's trace once counted a 31st file that the same code's other traces never showed (a callback
+    # that fell in the window by timing): a file over the count must be in a second trace too, as code that joined
+    # the round or the upload is in every trace.
+    first = traced(1)
+    for window, most in (("round", 30), ("upload", 11)):
+        files = set(first[window]["both"])
+        if len(files) > most:
+            again = traced(2)[window]
+            files &= set(again["both"])
+            extra = sorted(set(first[window]["both"]) ^ set(again["both"]))
+            print(f"{window}: the two traces differ in {extra}")
+        assert len(files) <= most, (window, sorted(files), first[window]["functions"])
