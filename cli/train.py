@@ -232,10 +232,10 @@ def _train(args: argparse.Namespace, world: int, held: contextlib.ExitStack | No
 def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: EarlierRun | None,
             held: contextlib.ExitStack | None) -> int:
     """Train ``cfg`` here or on ``world`` ranks; the command's exit code."""
+    from fedpar.parallel.dcp_storage import UnsafeCheckpointError
     from fedpar.parallel.init import spawn
     from fedpar.parallel.rank_failure import RankFailed
     from fedpar.parallel.run import spawned_train_process, train_process
-    from fedpar.parallel.safe_dcp import UnsafeCheckpointError
 
     under_launcher = "WORLD_SIZE" in os.environ
     started = time.perf_counter()

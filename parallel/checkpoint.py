@@ -4,8 +4,8 @@ A checkpoint directory holds ``step-XXXXXXXX/`` folders written by every rank (e
 rank 0 writes DCP's metadata), each whole as ``step-XXXXXXXX.partial/`` before rank 0 renames it, and a ``latest``
 file that rank 0 replaces atomically once all ranks finished.
 Items are all tensors (model, optimizer, step counters, per-rank RNG); the only non-tensor entries are the
-optimizer's hyper-parameters. DCP pickles its metadata and would unpickle it (and non-tensor items) without
-restriction; checkpoints are read through ``safe_dcp`` instead, which allows only what DCP writes.
+optimizer's hyper-parameters. DCP plans the files and ``dcp_storage`` writes and reads them: JSON metadata, raw tensor
+bytes, JSON hyper-parameters; nothing is pickled.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -32,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 from fedpar.parallel import checkpoint_retention
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.epoch_checkpoint import is_epoch_checkpoint
-from fedpar.parallel.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, raise_wrapped_stop, safe_load
+from fedpar.parallel import dcp_storage
+from fedpar.parallel.dcp_storage import PlainFileSystemReader, UnsafeCheckpointError, raise_wrapped_stop
 from fedpar.parallel.stopping import raise_lost_stop
 from fedpar.protocol.run_record import RUN_RECORD, check_settings, read_record, record_settings
 
@@ -91,7 +91,7 @@ def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimiz
         shutil.rmtree(staged)
     dist.barrier()
     try:
-        dcp.save(_state(_part_states(model_parts, optimizers), counters), checkpoint_id=str(staged))
+        dcp_storage.save(_state(_part_states(model_parts, optimizers), counters), staged)
     except CheckpointException as exc:  # a stop while it writes: `latest` still names the last complete checkpoint
         raise_wrapped_stop(exc)
         raise_lost_stop()  # raised in a write torch's C++ calls back, it came out as that write's RuntimeError
@@ -139,7 +139,7 @@ def check_checkpoint(path: Path) -> None:
     """UnsafeCheckpointError, one line saying what to do, when the checkpoint folder ``path`` cannot be resumed: its
     metadata does not read, or a shard file it names is missing or shorter than the metadata says."""
     try:
-        metadata = SafeFileSystemReader(str(path)).read_metadata()
+        metadata = PlainFileSystemReader(str(path)).read_metadata()
     except (UnsafeCheckpointError, OSError) as exc:
         raise UnsafeCheckpointError(f"cannot resume from {path}: {exc}; {_instead(path)}") from None
     ends: dict[str, int] = {}
@@ -192,14 +192,13 @@ def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: 
     """Collectively restore a checkpoint saved by the same world size into the parts and optimizers.
 
     Restores this rank's RNG state too, and returns the saved ``counters`` (name: its default, by default just
-    ``step``; a counter an older checkpoint does not hold keeps its default).
+    ``step``).
     """
     counters = {"step": 0} if counters is None else counters
     parts = _part_states(model_parts, optimizers)
-    saved = _saved_counters(path)
-    state = _state(parts, {k: v for k, v in counters.items() if k in saved})
+    state = _state(parts, counters)
     try:
-        safe_load(state, path)
+        dcp_storage.load(state, path)
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"cannot resume from {path}: {exc}; {_instead(Path(path))}") from None
     for part, opt, (model_sd, optim_sd) in zip(model_parts, optimizers, parts):
@@ -210,15 +209,6 @@ def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: 
         torch.cuda.set_rng_state(state[_rng_key() + ".cuda"])
     checkpoint_retention.resumed(Path(path).parent, Path(path).name, _STEP_GLOB)  # this run's checkpoints so far
     return {**counters, **{k: type(counters[k])(v.item()) for k, v in state["counters"].items()}}
-
-
-def _saved_counters(path: str | Path) -> set[str]:
-    """The names of the counters the checkpoint at ``path`` holds (an unreadable one is refused by the load)."""
-    try:
-        metadata = SafeFileSystemReader(str(path)).read_metadata()
-    except (UnsafeCheckpointError, OSError):
-        return {"step"}
-    return {key.split(".", 1)[1] for key in metadata.state_dict_metadata if key.startswith("counters.")}
 
 
 def _whole(value):

@@ -39,7 +39,7 @@ INSIDE_DCP = """
 import signal, sys, tempfile
 from pathlib import Path
 import torch, torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from fedpar.parallel.dcp_storage import PlainFileSystemReader, PlainFileSystemWriter
 from fedpar.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fedpar.parallel.stopping import StopRequested, stop_on_signals
 
@@ -53,12 +53,13 @@ for case in sys.argv[1:]:
     optimizer.step()
     folder = Path(tempfile.mkdtemp())
     save_checkpoint(folder, [model], [optimizer], {"step": 1})
-    kind, name = {"write": (FileSystemWriter, "write_data"), "metadata": (FileSystemWriter, "finish"),
-                  "load": (FileSystemReader, "read_data"), "swallowed": (FileSystemWriter, "write_data")}[where]
+    kind, name = {"write": (PlainFileSystemWriter, "write_data"), "metadata": (PlainFileSystemWriter, "finish"),
+                  "load": (PlainFileSystemReader, "read_data"),
+                  "swallowed": (PlainFileSystemWriter, "write_data")}[where]
     original = getattr(kind, name)
 
     def stopped(self, *args, **kwargs):
-        if where == "swallowed":  # raised in a write torch's C++ zip writer calls back, it comes out as its error
+        if where == "swallowed":  # raised in a write C++ code calls back, it comes out as that code's error
             try:
                 signal.raise_signal(signum)
             except KeyboardInterrupt:
@@ -81,7 +82,7 @@ for case in sys.argv[1:]:
         setattr(kind, name, original)
 """
 DCP_STOPS = {"writing-shards": "write:SIGINT", "writing-metadata": "metadata:SIGTERM", "loading": "load:SIGINT",
-             "swallowed-by-torch-save": "swallowed:SIGTERM"}
+             "swallowed-by-c-code": "swallowed:SIGTERM"}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,7 @@ def stopped_inside_dcp() -> tuple[dict[str, str], str]:
 
 @pytest.mark.parametrize("case", list(DCP_STOPS))
 def test_a_stop_inside_dcp_is_raised_as_itself_and_latest_stays_on_the_complete_checkpoint(case, stopped_inside_dcp):
-    """A stop signal raised inside DCP's write, metadata, load, or a write torch's zip writer swallows: the stop
+    """A stop signal raised inside DCP's write, metadata, load, or a write C code (torch's, gloo's) swallows: the stop
     itself comes out, and ``latest`` stays on the complete checkpoint."""
     # DCP catches what each step raises (BaseException) and gathers it from every rank: a stop came out as a
     # CheckpointException (on load: "checkpoint could not be read", exit 2), when its pickling did not fail first
@@ -136,16 +137,16 @@ def test_train_stopped_as_it_keeps_a_checkpoint_every_step_stops_in_one_line_and
 # write for the launcher to stop them (its ranks are forked: the patch is theirs too)
 STOPPED_IN_FIRST_SAVE = """
 import os, signal, sys, time
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from fedpar.parallel.dcp_storage import PlainFileSystemWriter
 
-original = FileSystemWriter.write_data
+original = PlainFileSystemWriter.write_data
 
 def stopped(self, *args, **kwargs):
     os.kill(os.getppid(), signal.SIGINT)
     time.sleep(60)
     return original(self, *args, **kwargs)
 
-FileSystemWriter.write_data = stopped
+PlainFileSystemWriter.write_data = stopped
 from fedpar.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """

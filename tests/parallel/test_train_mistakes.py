@@ -48,7 +48,7 @@ def _overwrite_start(path: Path) -> None:
     (lambda ck: (ck / "__0_0.distcp").unlink(), "its file __0_0.distcp is missing"),
     (lambda ck: os.truncate(ck / ".metadata", 50), "checkpoint metadata is damaged"),
     (lambda ck: (ck.parent / "latest").write_text("step-00000003\n"), "names step-00000003, which holds no complete"),
-    (lambda ck: _overwrite_start(ck / "__0_0.distcp"), "is not plain data"),
+    (lambda ck: _overwrite_start(ck / "__0_0.distcp"), "does not hold the bytes its metadata says for"),
 ])
 def test_a_damaged_checkpoint_is_one_line_naming_the_one_before_it(two_checkpoints, tmp_path, monkeypatch, capsys,
                                                                    damage, said):

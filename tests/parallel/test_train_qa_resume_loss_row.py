@@ -6,13 +6,8 @@ logs the rows an unbroken one does."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-from fedpar.parallel.safe_dcp import SafeFileSystemReader
 
 from support.in_process import run_main
 
@@ -41,19 +36,3 @@ def test_a_run_resumed_between_two_logged_losses_logs_the_rows_of_an_unbroken_ru
     expected, got = _losses(unbroken), _losses(resumed)
     assert sorted(got) == sorted(expected) == [4, 8, 12, 16]
     assert got == pytest.approx(expected, rel=1e-9, abs=0), (got, expected)
-
-
-def test_a_checkpoint_of_older_code_without_the_interval_resumes(tmp_path, capfd):
-    """A checkpoint written before it kept the interval (four counters) resumes as before: its first row averages
-    the steps the resumed run trained."""
-    out = tmp_path / "run"
-    assert run_main([*RUN, "--max-steps", "5", "--out", str(out)], capfd).returncode == 0
-    step_5 = out / "checkpoints" / "step-00000005"
-    state = _load_state_dict_from_keys(checkpoint_id=str(step_5),
-                                       storage_reader=SafeFileSystemReader(str(step_5)))
-    state["counters"] = {k: state["counters"][k] for k in ("step", "epoch", "batch_in_epoch", "samples")}
-    shutil.rmtree(step_5)
-    dcp.save(state, checkpoint_id=str(step_5), no_dist=True)
-    done = run_main([*RUN, "--max-steps", "8", "--out", str(out)], capfd)
-    assert done.returncode == 0 and "resumed from" in done.stdout + done.stderr, done.stderr
-    assert sorted(_losses(out)) == [4, 5, 8]
