@@ -37,18 +37,29 @@ def two_checkpoints(tmp_path_factory) -> Path:
     return out
 
 
+def _in_dcps_own_format(checkpoint: Path) -> None:
+    """Its metadata as DCP's own file storage writes it (pickled), as fedpar's checkpoints were before 2026-11-29."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(1)}, checkpoint_id=str(checkpoint.with_name("dcp-own")), no_dist=True)
+    shutil.copy(checkpoint.with_name("dcp-own") / ".metadata", checkpoint / ".metadata")
+
+
 def _overwrite_start(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[:200] = b"x" * 200  # same size: only reading it finds the damage
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP's own save, on one process
 @pytest.mark.parametrize("damage, said", [
     (lambda ck: os.truncate(ck / "__0_0.distcp", 100), "its file __0_0.distcp has 100 bytes, its metadata says"),
     (lambda ck: (ck / "__0_0.distcp").unlink(), "its file __0_0.distcp is missing"),
     (lambda ck: os.truncate(ck / ".metadata", 50), "checkpoint metadata is damaged"),
     (lambda ck: (ck.parent / "latest").write_text("step-00000003\n"), "names step-00000003, which holds no complete"),
     (lambda ck: _overwrite_start(ck / "__0_0.distcp"), "does not hold the bytes its metadata says for"),
+    (_in_dcps_own_format, "its metadata is pickled (torch's own format, as fedpar wrote checkpoints before"),
 ])
 def test_a_damaged_checkpoint_is_one_line_naming_the_one_before_it(two_checkpoints, tmp_path, monkeypatch, capsys,
                                                                    damage, said):
