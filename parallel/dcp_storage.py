@@ -328,7 +328,7 @@ class PlainFileSystemReader(FileSystemReader):
                 for item in items:
                     part: StoredPart = self.storage_data[item.storage_index]
                     if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(_read(stream, name, item, part, bytearray(part.length))))
+                        planner.load_bytes(item, io.BytesIO(_read(stream, name, item, part)))
                     else:
                         planner.commit_tensor(item, _tensor_into(stream, name, item, part, planner))
         done: Future[None] = Future()
@@ -336,8 +336,14 @@ class PlainFileSystemReader(FileSystemReader):
         return done
 
 
-def _read(stream, name: str, item: ReadItem, part: StoredPart, into) -> Any:
-    """Fill ``into`` (a writable buffer of ``part.length`` bytes) with the part's bytes, checked; ``into``."""
+def _read(stream, name: str, item: ReadItem, part: StoredPart, into=None) -> Any:
+    """The part's bytes, checked, in ``into`` (a writable buffer of ``part.length`` bytes; a new bytearray if
+    None); ``into``."""
+    size = os.fstat(stream.fileno()).st_size
+    if part.offset + part.length > size:  # before any buffer of the length the metadata claims is made
+        raise UnsafeCheckpointError(f"checkpoint file {name} ends before {item.storage_index.fqn} ({size} bytes; "
+                                    f"its metadata says {part.offset + part.length}): it is damaged")
+    into = bytearray(part.length) if into is None else into
     stream.seek(part.offset)
     got = stream.readinto(into)
     if got != part.length:
@@ -360,7 +366,7 @@ def _tensor_into(stream, name: str, item: ReadItem, part: StoredPart, planner) -
             and tuple(target.shape) == part.shape and not any(item.storage_offsets)):  # a resume on the same layout
         _read(stream, name, item, part, target.reshape(-1).view(torch.uint8).numpy())  # straight into its memory
         return target
-    raw = _read(stream, name, item, part, bytearray(part.length))
+    raw = _read(stream, name, item, part)
     chunk = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(part.shape)
     for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):  # this rank's share of it
         chunk = chunk.narrow(dim, start, length)

@@ -143,6 +143,15 @@ def test_cut_or_reshaped_files_are_refused(tmp_path: Path) -> None:
         _load(tmp_path / "ck2", into)
 
 
+def test_a_part_claimed_longer_than_its_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    _save(tmp_path / "ck", {"w": torch.ones(2), "item": 1})
+    doc = _metadata(tmp_path / "ck")
+    next(p for p in doc["parts"] if p["fqn"] == "item")["length"] = 1 << 50  # a petabyte: never allocated
+    _write_metadata(tmp_path / "ck", doc)
+    with pytest.raises(UnsafeCheckpointError, match="ends before item .* its metadata says 1125899906842"):
+        _load(tmp_path / "ck", {"w": torch.zeros(2), "item": None})
+
+
 def test_bytes_changed_inside_a_file_are_refused_by_their_checksum(tmp_path: Path) -> None:
     _save(tmp_path / "ck", _state())
     shard = tmp_path / "ck" / "__0_0.distcp"
