@@ -263,7 +263,7 @@ class PlainFileSystemWriter(FileSystemWriter):
     the metadata as JSON."""
 
     def write_data(self, plan, planner) -> Future[list[WriteResult]]:
-        """Write this rank's items into one file: the JSON items, then each tensor chunk's bytes."""
+        """Write this rank's items into one file, in the plan's order: a tensor chunk's bytes or an item's JSON."""
         file_name = f"{plan.storage_data.prefix}0.distcp"
         results = []
         with open(self.fs.concat_path(self.path, file_name), "wb") as stream:
