@@ -293,8 +293,10 @@ def _grpc_threads() -> bool:
     return False
 
 
-# What a fork server imports once, before it forks each child: torch, gRPC and fedpar's workers and ranks
-FORK_SERVER_PRELOAD = ("fedpar.parallel.init", "fedpar.simulations.agents", "fedpar.server.ranks.local")
+# What a fork server imports once, before it forks each child: torch, gRPC and fedpar's workers and ranks; the last,
+# how the server leaves
+FORK_SERVER_PRELOAD = ("fedpar.parallel.init", "fedpar.simulations.agents", "fedpar.server.ranks.local",
+                       "fedpar.parallel.fork_server_exit")
 
 
 def rank_start_method(may_fork: bool = True) -> str:
