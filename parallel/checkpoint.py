@@ -28,10 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from fedpar.parallel import checkpoint_retention
+from fedpar.parallel import checkpoint_retention, dcp_storage
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.epoch_checkpoint import is_epoch_checkpoint
-from fedpar.parallel import dcp_storage
 from fedpar.parallel.dcp_storage import PlainFileSystemReader, UnsafeCheckpointError, raise_wrapped_stop
 from fedpar.parallel.stopping import raise_lost_stop
 from fedpar.protocol.run_record import RUN_RECORD, check_settings, read_record, record_settings
@@ -94,7 +93,7 @@ def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimiz
         dcp_storage.save(_state(_part_states(model_parts, optimizers), counters), staged)
     except CheckpointException as exc:  # a stop while it writes: `latest` still names the last complete checkpoint
         raise_wrapped_stop(exc)
-        raise_lost_stop()  # raised in a write torch's C++ calls back, it came out as that write's RuntimeError
+        raise_lost_stop()  # raised in C code that called back (torch's, gloo's), it came out as that code's error
         raise
     dist.barrier()
     if dist.get_rank() == 0:

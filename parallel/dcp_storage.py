@@ -1,8 +1,8 @@
 """torch.distributed.checkpoint (DCP) folders with nothing pickled in them.
 
 DCP's own file storage pickles its ``.metadata``, writes every tensor with ``torch.save`` (a pickle in a zip) and
-every non-tensor item too, and reads non-tensor items back with ``torch.load(weights_only=False)``: a folder copied
-from elsewhere could run code as it loads. fedpar keeps DCP's planning (which rank writes which shard, resharding on
+every non-tensor item too, and its default planner unpickles those items without restriction: a folder copied from
+elsewhere could run code as it loads. fedpar keeps DCP's planning (which rank writes which shard, resharding on
 load) and stores the parts itself:
 - ``.metadata`` is JSON (:func:`metadata_json`, :func:`metadata_from_json`): the items, their chunks and dtypes,
   and where each stored part lies;
