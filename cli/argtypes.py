@@ -7,6 +7,7 @@ is refused at parse time with the option's name and the range it takes.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import weakref
 from pathlib import Path
@@ -38,7 +39,8 @@ class FedparParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         """Print ``prog: error: message`` and exit 2 (argparse would print the whole usage first)."""
-        print(f"{self.prog}: error: {self._with_config_keys(message)}; see '{self.prog} --help'", file=sys.stderr)
+        message = _with_meant_choice(self._with_config_keys(message))
+        print(f"{self.prog}: error: {message}; see '{self.prog} --help'", file=sys.stderr)
         raise SystemExit(2)
 
     def _with_config_keys(self, message: str) -> str:
@@ -68,6 +70,23 @@ class FedparParser(argparse.ArgumentParser):
                        f"sends each agent what it needs with its tasks; leave {them} out here)")
         meant = did_you_mean(meant_option(flag, self.long_options()) for flag in flags)
         self.error(f"unrecognized arguments: {' '.join(extra)}{meant}")
+
+
+# words typed as a command that are the parser's own flags (`fedpar help`, `fedpar version`)
+FLAG_WORDS = {"help": "--help", "version": "--version"}
+_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<word>[^']*)' \(choose from (?P<choices>.*)\)$")
+
+
+def _with_meant_choice(message: str) -> str:
+    """``message``, an invalid choice's followed by the choice it most likely misspells (argparse names none)."""
+    found = _INVALID_CHOICE.search(message)
+    if found is None:
+        return message
+    word = found["word"]
+    choices = re.findall(r"'([^']*)'", found["choices"])
+    flag = FLAG_WORDS.get(word.lower()) if message.startswith("argument COMMAND:") else None
+    meant = did_you_mean([flag, closest(word, choices, cutoff=0.6)])
+    return message[:found.end("word") + 1] + meant + message[found.end("word") + 1:]
 
 
 # A setting that commands name differently: a flag of one command -> what others call it. Said when a command lacks

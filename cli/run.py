@@ -15,11 +15,15 @@ from fedpar.cli.config import ConfigError, ignored_given
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.tlsopts import TlsFileOptions
 from fedpar.cli.user_errors import UserError, check_folder_writable, check_output_folder, quiet_exit_for_pipe
+from fedpar.meant import closest, did_you_mean
 from fedpar.sections import Output
 from fedpar.settings import setting
 
 LOG_LEVEL = None
 ACTIONS = ("submit", "ls", "logs", "stop", "get")
+# the words other tools use for an action, which a typo's similarity would not find
+ACTION_SYNONYMS = {"list": "ls", "ps": "ls", "status": "ls", "log": "logs", "cancel": "stop", "kill": "stop",
+                   "start": "submit", "run": "submit", "fetch": "get", "download": "get", "pull": "get"}
 UNFINISHED = ("failed", "stopped")  # how a run can end other than finished: 'run logs -f' then exits 1
 # the options each action uses, besides those that reach the service (--control, --operator, --certs): any other is
 # refused, as it would do nothing
@@ -127,7 +131,8 @@ def _check_words(args: argparse.Namespace) -> None:
     words = list(args.words)
     action = words.pop(0)
     if action not in ACTIONS:
-        raise ValueError(f"unknown action {action!r}: use one of {', '.join(ACTIONS)}")
+        meant = did_you_mean([ACTION_SYNONYMS.get(action.lower()) or closest(action.lower(), ACTIONS, cutoff=0.6)])
+        raise ValueError(f"unknown action {action!r}{meant}: use one of {', '.join(ACTIONS)}")
     _refuse_unused(args, action)
     if action == "submit" and len(words) != 1:
         raise ValueError("'fedpar run submit' takes one run file (TOML)")

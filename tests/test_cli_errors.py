@@ -67,6 +67,14 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path, capfd):
                                     "--insecure?); see 'fedpar serve --help'"),
         (["train", "--rounds", "1"], 2, "fedpar train: error: unrecognized arguments: --rounds 1; see "
                                         "'fedpar train --help'"),
+        # a misspelled choice is told the one it likely meant, a command's too; a word argparse would list is not
+        (["simulte"], 2, "fedpar: error: argument COMMAND: invalid choice: 'simulte' (did you mean simulate?) "
+                         "(choose from 'serve', 'client', 'simulate', "),
+        (["help"], 2, "invalid choice: 'help' (did you mean --help?) (choose from"),
+        (["simulate", "--clock", "virtal"], 2, "fedpar simulate: error: argument --clock: invalid choice: 'virtal' "
+                                               "(did you mean virtual?) (choose from 'real', 'virtual'); see "),
+        (["simulate", "--privacy", "clinet"], 2, "invalid choice: 'clinet' (did you mean client?) (choose from "),
+        (["simulate", "--clock", "sundial"], 2, "invalid choice: 'sundial' (choose from 'real', 'virtual'); see "),
         (["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "a-file")], 2,
          f"--out {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not a folder"),
         (["simulate", "--out", str(tmp_path / "a-file" / "run")], 2, "is a file, not a folder"),

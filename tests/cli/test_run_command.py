@@ -235,7 +235,11 @@ def test_run_help_describes_the_operator_certificate():
 
 
 @pytest.mark.parametrize("argv, said", [
-    (("lss",), "unknown action 'lss': use one of submit, ls, logs, stop, get"),
+    (("lss",), "unknown action 'lss' (did you mean ls?): use one of submit, ls, logs, stop, get"),
+    (("list",), "unknown action 'list' (did you mean ls?): use one of submit, ls, logs, stop, get"),
+    (("cancel", "3"), "unknown action 'cancel' (did you mean stop?)"),
+    (("LOG", "3"), "unknown action 'LOG' (did you mean logs?)"),
+    (("xyz",), "unknown action 'xyz': use one of submit, ls, logs, stop, get"),
     (("submit",), "'fedpar run submit' takes one run file (TOML)"),
     (("logs",), "'fedpar run logs' takes one run id"),
     (("stop", "abc"), "'fedpar run stop' takes one run id"),
