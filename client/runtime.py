@@ -230,6 +230,8 @@ class ClientRuntime:
         self.link.tasks_in_flight(1)
         if self._together:
             with self._evaluation_lock:
+                if task.round not in self._to_evaluate:
+                    self._forget_evaluations_before(task.round)
                 self._to_evaluate.setdefault(task.round, []).append(i)
         return True
 
@@ -530,9 +532,7 @@ class ClientRuntime:
             return trainer.evaluate(**({"settings": settings} if trainer.reads_task_settings else {}))
         with self._evaluation_lock:
             if (round_id, i) not in self._evaluations:
-                if any(r < round_id for r, _ in self._evaluations):  # members whose tasks were dropped unrun
-                    self._evaluations = {key: e for key, e in self._evaluations.items() if key[0] >= round_id}
-                self._to_evaluate = {r: queued for r, queued in self._to_evaluate.items() if r >= round_id}
+                self._forget_evaluations_before(round_id)
                 queued = [j for j in dict.fromkeys(self._to_evaluate.pop(round_id, []))
                           if j != i and (round_id, j) not in self._evaluations]
                 group, rest = [i, *queued[:EVALUATED_TOGETHER - 1]], queued[EVALUATED_TOGETHER - 1:]
@@ -549,6 +549,15 @@ class ClientRuntime:
                 results = trainer.evaluate_splits(splits)
                 self._evaluations.update(((round_id, j), result) for j, result in zip(group, results))
             return self._evaluations.pop((round_id, i))
+
+    def _forget_evaluations_before(self, round_id: int) -> None:
+        """Drop the queued members and kept results of rounds before ``round_id`` (under the evaluation lock): their
+        tasks were dropped unrun, or their round scored nothing (--client-eval-every), so no turn will take them; a
+        member of such a round still training scores its own split alone."""
+        if any(r < round_id for r, _ in self._evaluations):
+            self._evaluations = {key: e for key, e in self._evaluations.items() if key[0] >= round_id}
+        if any(r < round_id for r in self._to_evaluate):
+            self._to_evaluate = {r: queued for r, queued in self._to_evaluate.items() if r >= round_id}
 
     def _round_mode(self, seat: Seat, auth: pb.AgentAuth, task: pb.TrainTask, settings: TaskSettings,
                     deadline_at: float, data_plane: dataplane.DataPlaneTarget | None) -> PlainUpload:
