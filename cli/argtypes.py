@@ -89,10 +89,26 @@ def _with_meant_choice(message: str) -> str:
     return message[:found.end("word") + 1] + meant + message[found.end("word") + 1:]
 
 
-# A setting that commands name differently: a flag of one command -> what others call it. Said when a command lacks
-# the flag and has the other (`train --data-dir`: did you mean --data-path?); a misspelling is found by closest().
+# A setting that commands, or other tools, name differently: a flag this command lacks -> what it is called here,
+# with a value where the other tool's flag is one value of ours (`simulate --iid`: did you mean --partition iid?).
+# Said when a command lacks the flag and has the other (`train --data-dir`: --data-path; `simulate --epochs`:
+# --local-epochs; Flower's --num-supernodes: --clients); a misspelling is found by closest() first.
 ELSEWHERE_CALLED = {"--data-dir": ("--data-path",), "--data-path": ("--data-dir",), "--port": ("--server",),
-                    "--host": ("--server",)}
+                    "--host": ("--server",), "--epochs": ("--local-epochs",), "--local-epochs": ("--epochs",),
+                    "--learning-rate": ("--lr",), "--num-supernodes": ("--clients",),
+                    "--fraction-fit": ("--fraction", "--clients-per-round"), "--iid": ("--partition iid",),
+                    "--non-iid": ("--partition dirichlet:0.5",), "--alpha": ("--partition dirichlet:ALPHA",),
+                    "--dirichlet-alpha": ("--partition dirichlet:ALPHA",), "--gpu": ("--device cuda",),
+                    "--cuda": ("--device cuda",), "--cpu": ("--device cpu",), "--log-dir": ("--tensorboard",),
+                    "--logdir": ("--tensorboard",), "--verbose": ("--log-level debug",),
+                    "--mu": ("--strategy-option proximal_mu=MU",),
+                    "--proximal-mu": ("--strategy-option proximal_mu=MU",)}
+
+
+def elsewhere_called(flag: str, options: Collection[str]) -> str | None:
+    """What a command with ``options`` calls the setting another command or tool names ``flag`` (a flag, or a
+    flag and value), else None."""
+    return next((o for o in ELSEWHERE_CALLED.get(flag, ()) if o.split()[0] in options), None)
 
 
 def meant_option(flag: str, options: list[str]) -> str | None:
@@ -102,7 +118,7 @@ def meant_option(flag: str, options: list[str]) -> str | None:
     positive = "--" + flag.removeprefix("--no-no-")
     if flag.startswith("--no-no-") and positive in options:
         return positive
-    return closest(flag, options) or next((o for o in ELSEWHERE_CALLED.get(flag, ()) if o in options), None)
+    return closest(flag, options) or elsewhere_called(flag, options)
 
 
 secagg_clip = ranged(float, 0.0, MAX_CLIP, "a coordinate's clip", open_low=True,

@@ -20,7 +20,7 @@ import signal
 import sys
 
 from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
-from fedpar.cli.argtypes import ELSEWHERE_CALLED, FedparParser, text
+from fedpar.cli.argtypes import FedparParser, elsewhere_called, text
 from fedpar.cli.config import ConfigError, apply_config_defaults, given_settings, refuse_unswitched
 from fedpar.cli.declared import switched_options
 from fedpar.cli.subcommands import SUBCOMMANDS
@@ -101,7 +101,8 @@ def _coordinators_own(command: str, agent: FedparParser) -> set[str]:
     if command != "client":
         return set()
     serve = subcommand_parser(build_parser(only="serve"), "serve")
-    return set(serve.long_options()) - set(agent.long_options()) - set(ELSEWHERE_CALLED)
+    own = set(agent.long_options())
+    return {flag for flag in set(serve.long_options()) - own if elsewhere_called(flag, own) is None}
 
 
 def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

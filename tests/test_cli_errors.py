@@ -65,6 +65,14 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path, capfd):
          "--client-per-round 5 (did you mean --clients-per-round?); see 'fedpar simulate --help'"),
         (["serve", "--insecur"], 2, "fedpar serve: error: unrecognized arguments: --insecur (did you mean "
                                     "--insecure?); see 'fedpar serve --help'"),
+        # another tool's name for a setting is told this command's, with the value where it is one of ours
+        (["simulate", "--epochs", "2"], 2, "--epochs 2 (did you mean --local-epochs?)"),
+        (["train", "--learning-rate", "0.1"], 2, "--learning-rate 0.1 (did you mean --lr?)"),
+        (["simulate", "--num-supernodes", "50"], 2, "--num-supernodes 50 (did you mean --clients?)"),
+        (["serve", "--fraction-fit", "0.1"], 2, "--fraction-fit 0.1 (did you mean --fraction?)"),
+        (["simulate", "--iid"], 2, "--iid (did you mean --partition iid?)"),
+        (["simulate", "--gpu"], 2, "--gpu (did you mean --device cuda?)"),
+        (["simulate", "--mu", "0.1"], 2, "--mu 0.1 (did you mean --strategy-option proximal_mu=MU?)"),
         (["train", "--rounds", "1"], 2, "fedpar train: error: unrecognized arguments: --rounds 1; see "
                                         "'fedpar train --help'"),
         # a misspelled choice is told the one it likely meant, a command's too; a word argparse would list is not
