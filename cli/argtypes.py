@@ -113,11 +113,11 @@ def elsewhere_called(flag: str, options: Collection[str]) -> str | None:
 
 def meant_option(flag: str, options: list[str]) -> str | None:
     """The one of ``options`` that the unknown ``flag`` most likely means: one it misspells, else this command's name
-    for a flag of another command; a double negative's positive flag (--no-no-central-eval: --central-eval, not
+    for a flag of another command; a double negative's unnegated flag (--no-no-central-eval: --central-eval, not
     the closest spelling, --no-central-eval, which means the opposite)."""
-    positive = "--" + flag.removeprefix("--no-no-")
-    if flag.startswith("--no-no-") and positive in options:
-        return positive
+    unnegated = "--" + flag.removeprefix("--no-no-")
+    if flag.startswith("--no-no-") and unnegated in options:
+        return unnegated
     return closest(flag, options) or elsewhere_called(flag, options)
 
 
