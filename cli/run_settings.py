@@ -13,6 +13,7 @@ from typing import Any
 from fedpar.cli.config import ConfigError, flag_key_dests, load_toml_section_and_file, rename_key, typed_value
 from fedpar.cli.privacy import PrivacyOptions
 from fedpar.datasets.settings import DataSource
+from fedpar.meant import closest
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.task_settings import LocalTraining
 from fedpar.sections import Seeded
@@ -41,8 +42,8 @@ def run_settings(values: dict[str, Any], where: str) -> dict[str, Any]:
     values = _flag_keys_renamed(parser, values, where)
     unknown = sorted(k for k in values if k not in RUN_KEYS)
     if unknown:
-        raise ConfigError(f"{where}: unknown run setting(s) {', '.join(unknown)}; a run sets only "
-                          f"{', '.join(sorted(RUN_KEYS))}")
+        raise ConfigError(f"{where}: unknown run setting(s) {', '.join(_unknown_said(unknown, actions))}; a run sets "
+                          f"only {', '.join(sorted(RUN_KEYS))}")
     out = {}
     for key, value in values.items():
         try:
@@ -52,6 +53,21 @@ def run_settings(values: dict[str, Any], where: str) -> dict[str, Any]:
         if isinstance(out[key], Path):
             out[key] = str(out[key])
     return out
+
+
+def _unknown_said(unknown: list[str], serve_actions: dict[str, argparse.Action]) -> list[str]:
+    """Each ``unknown`` key with the run setting it likely misspells, or, for a setting of the service's own (its
+    ports, folders, certificates), the flag that sets it when the service starts."""
+    said = []
+    for key in unknown:
+        action = serve_actions.get(key)
+        if meant := closest(key, sorted(RUN_KEYS)):
+            said.append(f"{key} (did you mean {meant}?)")
+        elif action is not None and action.option_strings:
+            said.append(f"{key} (the service's own, set by fedpar serve {action.option_strings[0]} when it starts)")
+        else:
+            said.append(key)
+    return said
 
 
 def _flag_keys_renamed(parser: argparse.ArgumentParser, values: dict[str, Any], where: str) -> dict[str, Any]:
