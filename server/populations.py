@@ -21,13 +21,14 @@ from fedpar.server.config import CoordinatorConfig
 from fedpar.server.members import Members, TaskDesk
 from fedpar.server.registry import (AgentRecord, AgentRegistry, AuthError, HostRecord, SessionClaim, SessionInUse,
                                     check_capabilities)
-from fedpar.server.rounds import Refusal
+from fedpar.server.rounds import Refusal, RoundState
 
 log = logging.getLogger("fedpar.server")
 HOST_WAKEUP = "\0host:"  # long-poll key prefix of a simulation host (agent ids are printable, so never clash)
 # one-shot serve waits this long after a host joined for agents that join by themselves to make up a population smaller
 # than --min-available, before it refuses the host (its rounds would never start: the worker hung in silence)
-MAX_HOSTED_TASKS = 512  # tasks in one PullHostTasksReply (a reply stays far below the message size limit)
+MAX_HOSTED_TASKS = 512  # tasks in one PullHostTasksReply (a reply also stays within --max-chunk-bytes)
+REPEATED_FIELD_BYTES = 6  # an entry's field tag and length prefix, at most, in a reply under 64 MiB
 
 
 class Populations(Members):
@@ -37,6 +38,7 @@ class Populations(Members):
         super().__init__(config, registry)
         self.hosts_only = hosts_only
         self._host_tasks: dict[str, set[str]] = {}  # per host: its members dealt a task not yet sent
+        self._host_carried: dict[str, pb.HostedTask] = {}  # per host: a task made for a reply it did not fit
         self._host_declared: dict[str, str | None] = {}  # per host: the task it declared when it joined
         self._host_go: dict[str, set[str]] = {}  # per host: its members the clock let go, not yet told
         self._heard_at: dict[str, float] = {}  # per host: the simulated time its last call's availability was as of
@@ -213,22 +215,43 @@ class Populations(Members):
                                                              f"{host.host_id!r}")
 
     def _reply(self, host_id: str, desk: TaskDesk) -> pb.PullHostTasksReply:
-        """The tasks (at most MAX_HOSTED_TASKS; the next call takes the rest) and go-aheads waiting for ``host_id``,
-        with one copy of a small model for the whole reply."""
+        """The tasks and go-aheads waiting for ``host_id``, with one copy of a small model for the whole reply: at
+        most MAX_HOSTED_TASKS tasks and --max-chunk-bytes in all, as the reply travels as one gRPC message (a
+        Flower message rides in each member's task); the next call takes the rest."""
         pending = sorted(self._host_tasks.get(host_id, ()))
-        self._host_tasks[host_id] = set(pending[MAX_HOSTED_TASKS:])
         out = pb.PullHostTasksReply()
         out.go.extend(sorted(self._host_go.pop(host_id, ())))
         desk.clock.stamp_reply(out)
-        sent = pending[:MAX_HOSTED_TASKS]
-        for agent_id, record in zip(sent, self.registry.get_many(sent)):  # their records in one pass
+        room = self.config.max_chunk_bytes - out.ByteSize()
+        inline = desk.inline_weights()
+        inline_bytes = len(inline[0]) + len(inline[1]) + 2 * REPEATED_FIELD_BYTES if inline is not None else 0
+        if inline_bytes and inline_bytes <= room // 2:
+            room -= inline_bytes  # the model once, beside the tasks
+        else:
+            inline = None  # too big to share the reply: each member's task downloads it
+        carried = self._host_carried.pop(host_id, None)  # made already (a task is handed out once): it goes first
+        if carried is not None and _still_due(carried, desk.current):
+            out.tasks.append(carried)
+            room -= carried.ByteSize() + REPEATED_FIELD_BYTES
+        batch = pending[:MAX_HOSTED_TASKS]
+        taken = len(batch)
+        for i, (agent_id, record) in enumerate(zip(batch, self.registry.get_many(batch))):  # one pass of records
             reply = desk.task_for(record, with_weights=False) if record is not None and record.host == host_id \
                 else None
             if reply is None or reply.WhichOneof("kind") != "task":
                 continue
-            out.tasks.add(agent_id=agent_id).task.MergeFrom(reply.task)
-        inline = desk.inline_weights() if out.tasks and not out.tasks[0].task.flower_message else None
-        if inline is not None:
+            hosted = out.tasks.add(agent_id=agent_id)
+            hosted.task.MergeFrom(reply.task)
+            size = hosted.ByteSize() + REPEATED_FIELD_BYTES
+            if size > room and len(out.tasks) > 1:  # the first task always goes: the Grid bounds one message
+                self._host_carried[host_id] = pb.HostedTask()
+                self._host_carried[host_id].CopyFrom(hosted)
+                del out.tasks[-1]
+                taken = i + 1
+                break
+            room -= size
+        self._host_tasks[host_id] = set(pending[taken:])
+        if inline is not None and out.tasks and not out.tasks[0].task.flower_message:
             out.weights_header.MergeFromString(inline[0])
             out.weights = inline[1]
         return out
@@ -244,12 +267,20 @@ class Populations(Members):
         self._wakeups = {k: e for k, e in self._wakeups.items() if self._known(k)}
         self._host_tasks = {h: q for h, q in self._host_tasks.items() if self.registry.host(h) is not None}
         self._host_go = {h: q for h, q in self._host_go.items() if self.registry.host(h) is not None}
+        self._host_carried = {h: t for h, t in self._host_carried.items() if self.registry.host(h) is not None}
         self._heard_at = {h: t for h, t in self._heard_at.items() if self.registry.host(h) is not None}
 
     def _known(self, key: str) -> bool:
         if key.startswith(HOST_WAKEUP):
             return self.registry.host(key[len(HOST_WAKEUP):]) is not None
         return super()._known(key)
+
+
+def _still_due(hosted: pb.HostedTask, state: RoundState | None) -> bool:
+    """Whether ``hosted``, a task made for a member earlier, is still its task in the open round ``state``."""
+    slot = state.slots.get(hosted.agent_id) if state is not None and not state.closed else None
+    return slot is not None and state.round_id == hosted.task.round and slot.task_id == hosted.task.task_id \
+        and slot.status == "pending"
 
 
 def member_source(config: CoordinatorConfig, registry: AgentRegistry) -> Members:

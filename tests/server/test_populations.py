@@ -126,6 +126,28 @@ def test_a_big_cohort_of_one_host_comes_in_replies_of_bounded_size_with_one_copy
     assert server.coordinator.current.download_bytes == 600 * weights.nbytes  # sent once, counted per member
 
 
+def test_a_cohort_whose_tasks_pass_max_chunk_bytes_comes_in_replies_each_within_it(start_coordinator):
+    """A host's reply took up to 512 tasks whatever their size: a Flower message rides in each member's task, so 210
+    clients of a 10 KB model on two hosts passed the 1 MiB default and every pull failed (RESOURCE_EXHAUSTED, retried
+    until the round's deadline, and the run ended with nothing trained)."""
+    ids = [f"c{i:03d}" for i in range(300)]
+    limit = 4096
+    weights = np.arange(8, dtype=np.float32)  # small enough to ride inline
+    server = start_coordinator([weights], accept_populations=True, clients_per_round=300, min_available=300,
+                               max_chunk_bytes=limit)
+    stub = _stub(server)
+    reply = _join(stub, "host-d", ids)
+    host = pb.AgentAuth(agent_id="host-d", token=reply.host_token)
+    replies = []
+    while sum(len(r.tasks) for r in replies) < 300:
+        replies.append(pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=5.0), timeout=10))
+        assert replies[-1].tasks, "a pull came back empty with tasks still due"
+    assert len(replies) > 1 and all(r.ByteSize() <= limit for r in replies), [r.ByteSize() for r in replies]
+    assert sorted(t.agent_id for r in replies for t in r.tasks) == ids  # each member's task once
+    assert all(np.frombuffer(r.weights, np.float32).tolist() == weights.tolist() for r in replies)
+    assert server.coordinator.current.download_bytes == 300 * weights.nbytes  # sent once a reply, counted per member
+
+
 def test_members_reported_away_are_not_live_until_they_are_back(start_coordinator):
     server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=50)
     stub = _stub(server)
