@@ -205,15 +205,26 @@ def _submit_file(args: argparse.Namespace, stub, words: list[str]) -> int:
     return _logs(stub, reply.run_id, True) if args.follow else 0
 
 
+def every_run(stub) -> list[dict]:
+    """Every run of the service, oldest first, as List gives them a page at a time."""
+    from fedpar.protocol import fedpar_pb2 as pb
+
+    runs: list[dict] = []
+    while True:
+        page = stub.List(pb.RunQuery(after_id=runs[-1]["id"] if runs else 0), timeout=30)
+        runs += json.loads(page.runs_json)
+        if not page.more:
+            return runs
+
+
 def _ls(stub, words: list[str]) -> int:
     """Print every run of the service, a line each (names and reasons escaped: they are the submitters' text)."""
-    from fedpar.protocol import fedpar_pb2 as pb
     from fedpar.server.run_control import printable
 
     if words:
         raise ValueError(f"'fedpar run ls' takes no argument (got {' '.join(words)!r}); 'fedpar run logs ID' "
                          "shows one run")
-    runs = json.loads(stub.List(pb.RunQuery(), timeout=30).runs_json)
+    runs = every_run(stub)
     print(f"{'ID':>4}  {'NAME':<16} {'STATUS':<9} {'ROUND':>5}  LAST METRICS")
     for run in runs:
         print(f"{run['id']:>4}  {printable(run['name'])[:16]:<16} {run['status']:<9} {run['round']:>5}  "
@@ -335,11 +346,9 @@ def _check_model(path: Path, run_id: int) -> None:
 def _no_model_line(stub, run_id: int) -> str:
     """Why ``run_id`` has no model to get, as the service refuses a get of a run stopped while queued: its status
     and reason (as 'run ls' shows them), and where to see what it did."""
-    from fedpar.protocol import fedpar_pb2 as pb
     from fedpar.server.run_control import printable
 
-    runs = json.loads(stub.List(pb.RunQuery(), timeout=30).runs_json)
-    run = next((r for r in runs if r["id"] == run_id), {})
+    run = next((r for r in every_run(stub) if r["id"] == run_id), {})
     status, reason = run.get("status", "ended"), printable(run.get("reason", ""))
     why = "its model was not written" if run.get("round") else "no round of it completed"
     return (f"run {run_id} is {status} with no model to get: {why}"

@@ -693,14 +693,18 @@ class RunRef(_message.Message):
     def __init__(self, run_id: _Optional[int] = ..., warning: _Optional[str] = ...) -> None: ...
 
 class RunQuery(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("after_id",)
+    AFTER_ID_FIELD_NUMBER: _ClassVar[int]
+    after_id: int
+    def __init__(self, after_id: _Optional[int] = ...) -> None: ...
 
 class RunList(_message.Message):
-    __slots__ = ("runs_json",)
+    __slots__ = ("runs_json", "more")
     RUNS_JSON_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     runs_json: str
-    def __init__(self, runs_json: _Optional[str] = ...) -> None: ...
+    more: bool
+    def __init__(self, runs_json: _Optional[str] = ..., more: bool = ...) -> None: ...
 
 class RunLogsRequest(_message.Message):
     __slots__ = ("run_id", "after_round", "follow")

@@ -30,6 +30,7 @@ CONTROL_THREADS = 16
 # follows (`run logs -f`) and downloads at once: each holds a thread while it lasts, and the others must stay free to
 # answer submit, ls and stop
 LONG_CALLS = CONTROL_THREADS - 4
+LIST_REPLY_BYTES = 1 << 20  # the runs one List reply holds (a gRPC client takes 4 MiB by default): more are paged
 NAME_CHARS = 100  # a run's name: a label for 'fedpar run ls', not a document
 # what a follow hears when the service stops under it (UNAVAILABLE); 'fedpar run' says it in its own words
 SERVICE_STOPPING = "the service is stopping"
@@ -156,10 +157,20 @@ class RunControl(pb_grpc.RunControlServicer):
         return self._guard(context, "submit", submit)
 
     def List(self, request: pb.RunQuery, context) -> pb.RunList:
-        """Every run."""
+        """The runs after ``request.after_id``, oldest first, up to LIST_REPLY_BYTES of them (``more``: there are
+        others; 'fedpar run ls' asks until it has every run)."""
         def listing(who):
-            self.store.audit(who, "ls")
-            return pb.RunList(runs_json=json.dumps([r.to_json() for r in self.store.runs()]))
+            if request.after_id == 0:
+                self.store.audit(who, "ls")  # once a listing, not once a page
+            runs, size, more = [], 0, False
+            for run in self.store.runs(request.after_id):
+                text = json.dumps(run.to_json())
+                if runs and size + len(text) > LIST_REPLY_BYTES:
+                    more = True
+                    break
+                runs.append(text)
+                size += len(text) + 2
+            return pb.RunList(runs_json=f"[{', '.join(runs)}]", more=more)
         return self._guard(context, "ls", listing)
 
     def Stop(self, request: pb.RunRef, context) -> pb.RunList:

@@ -279,9 +279,10 @@ class RunStore:
             raise UnknownRun(run_id)
         return _run(rows[0])
 
-    def runs(self) -> list[Run]:
-        """Every run, oldest first."""
-        return [_run(row) for row in self._read(f"SELECT {_COLUMNS} FROM runs ORDER BY id")]
+    def runs(self, after_id: int = 0) -> list[Run]:
+        """Every run (those with ids above ``after_id``), oldest first."""
+        return [_run(row) for row in self._read(f"SELECT {_COLUMNS} FROM runs WHERE id > ? ORDER BY id",
+                                                (int(after_id),))]
 
     def next_queued(self) -> Run | None:
         """The oldest queued run, or None."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -14,14 +15,15 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol import fedpar_pb2_grpc as pb_grpc
 from fedpar.security.certs import CertPaths
 from fedpar.security.tls import TlsFiles, channel_credentials, server_credentials, server_tls_files
+from fedpar.server import run_control
 from fedpar.server.run_control import LONG_CALLS, RunControlServer
 from fedpar.server.run_store import RunStore
 
 
 @pytest.fixture
-def control(tmp_path):
-    """A control API over a run store holding one queued run (nothing executes it: it never ends), and a stub of
-    an operator's."""
+def served(tmp_path):
+    """A control API over a run store holding one queued run (nothing executes it: it never ends): the store, an
+    operator's stub, and the `fedpar run` options that reach it as that operator."""
     certs = tmp_path / "certs"
     assert main(["certs", "--out", str(certs), "--operators", "op"]) == 0
     store = RunStore(tmp_path / "state.db")
@@ -31,10 +33,17 @@ def control(tmp_path):
     paths = CertPaths(certs)
     channel = grpc.secure_channel(f"127.0.0.1:{server.port}", channel_credentials(
         TlsFiles(paths.operator_cert("op"), paths.operator_key("op"), paths.ca_cert)))
-    yield pb_grpc.RunControlStub(channel)
+    yield SimpleNamespace(store=store, stub=pb_grpc.RunControlStub(channel),
+                          options=["--control", f"127.0.0.1:{server.port}", "--certs", str(certs), "--operator", "op"])
     channel.close()
     server.stop(0)
     store.close()
+
+
+@pytest.fixture
+def control(served):
+    """An operator's stub of :func:`served`'s control API."""
+    return served.stub
 
 
 def test_follows_cannot_take_every_thread_from_ls_and_stop(control):
@@ -64,3 +73,20 @@ def test_follows_cannot_take_every_thread_from_ls_and_stop(control):
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
             time.sleep(0.2)
+
+
+def test_run_ls_lists_every_run_of_a_service_whose_runs_pass_one_reply(served, monkeypatch, capsys):
+    """List put every run in one reply: at 3,000 runs of a sweep (about 1.7 KB each) it passed gRPC's 4 MiB and
+    'fedpar run ls' said only "Received message larger than max". Now a reply holds up to LIST_REPLY_BYTES of runs
+    and the command asks for the rest (here a 4 KiB page: 40 runs of about 400 bytes take several)."""
+    monkeypatch.setattr(run_control, "LIST_REPLY_BYTES", 4096)
+    settings = {"rounds": 5, "strategy": "fedavg", "note": "x" * 300}
+    ids = [1] + [served.store.submit(f"sweep-{i}", settings, who="op") for i in range(40)]
+    first = served.stub.List(pb.RunQuery(), timeout=10)
+    assert first.more and len(first.runs_json) <= 4096
+    pages = json.loads(first.runs_json)
+    assert [r["id"] for r in pages] == ids[:len(pages)]
+    assert main(["run", "ls", *served.options]) == 0
+    listed = capsys.readouterr().out.splitlines()[1:]
+    assert [int(line.split()[0]) for line in listed] == ids
+    assert [a["action"] for a in served.store.audit_rows()].count("ls") == 2  # once a listing, not once a page
