@@ -38,8 +38,8 @@ from fedpar.client.host_stream import KeptStream
 from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import SendSmall, ingest_address, upload_small
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SESSION_FREE_IN, SMALL_UPDATE_BYTES,
-                                   CoordinatorStub, channel_options, member_token, one_line)
+from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, REPEATED_ENTRY_BYTES, SESSION_FREE_IN,
+                                   SMALL_UPDATE_BYTES, CoordinatorStub, channel_options, member_token, one_line)
 from fedpar.protocol.task_settings import MAX_TASK_SECONDS
 from fedpar.security.handshake import answers_http1, diagnose_handshake, tls_mismatch, unknown_host
 from fedpar.security.tls import TlsFiles
@@ -601,6 +601,7 @@ class HostLink:
         self._taken: set[tuple[str, str]] = set()
         self._taken_round = 0
         self._estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
+        self._availability: dict[str, bool] = {}  # members gone offline (True) or back (False), until a pull tells it
         self._failures: list[pb.TaskFailure] = []  # members' tasks their own code failed, for the next call
         self._failures_lock = threading.Lock()  # the seats add them, the pulls take them
         self._forget_queued = forget_queued
@@ -654,19 +655,38 @@ class HostLink:
             for uploads in batches:
                 uploads.nudge()
 
+    def _availability_to_tell(self) -> list[str]:
+        """The members whose availability changes the next pull tells, oldest change first: as many as half the
+        coordinator's --max-chunk-bytes holds (a million members' diurnal traces can change more at once than one
+        request carries)."""
+        told, room = [], max(self.max_chunk, 1024) // 2
+        for member in self._availability:
+            room -= len(member.encode()) + REPEATED_ENTRY_BYTES
+            if room < 0 and told:
+                break
+            told.append(member)
+        return told
+
     def pull(self) -> Pulled:
         """One long-poll on the host's task stream: the tasks to start now (under a virtual clock: those the
         coordinator let go; the others wait, their simulated finish times reported on the next call). Tasks for
         members this host does not hold, a member's second task of one reply, a task it took already, and a
         virtual-clock task it would not train are skipped in one line (a bad one told as its member's failure)."""
-        away, back = self.members.availability_changes(self.clock_seconds)
+        for member_ids, gone in zip(self.members.availability_changes(self.clock_seconds), (True, False)):
+            self._availability.update(dict.fromkeys(member_ids, gone))  # a pull that fails tells them on the next
+        told = self._availability_to_tell()
+        rest = len(told) < len(self._availability)  # more than one request holds: told over the next pulls, at once
         with self._failures_lock:
             failures = list(self._failures)
-        at = -1.0 if self.clock_seconds is None else self.clock_seconds
+        at = -1.0 if self.clock_seconds is None or rest else self.clock_seconds  # as of then once all are told
         reply = self._tasks.send(pb.PullHostTasksRequest(
-            host=self.host, wait_seconds=self.config.poll_seconds, away=away, back=back, availability_at=at,
-            finish_estimates=self._estimates, failures=failures), timeout=self.config.poll_seconds + 30)
+            host=self.host, wait_seconds=0.0 if rest else self.config.poll_seconds,
+            away=[m for m in told if self._availability[m]], back=[m for m in told if not self._availability[m]],
+            availability_at=at, finish_estimates=self._estimates, failures=failures),
+            timeout=self.config.poll_seconds + 30)
         self._estimates = []
+        for member in told:
+            del self._availability[member]
         with self._failures_lock:  # told (seats only add at the end)
             del self._failures[:len(failures)]
         if reply.shutdown_reason:

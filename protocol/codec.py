@@ -321,6 +321,7 @@ SERVICE_NAME = "fedpar.v1.Coordinator"
 DEFAULT_CHUNK_BYTES = 1 << 20
 # Room for the protobuf framing around one chunk's payload.
 FRAMING_BYTES = 64 << 10
+REPEATED_ENTRY_BYTES = 6  # beside an entry of a repeated field in a message under 64 MiB: its tag and length
 # Initial metadata the coordinator sends on UploadUpdate once the upload holds a staging slot. Agents send
 # the header, wait for it, and only then the data: an upload refused as busy costs no transfer and no
 # coordinator memory (without the wait, every refused stream would have a flow-control window of data

@@ -16,6 +16,7 @@ from typing import Sequence
 import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import REPEATED_ENTRY_BYTES
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.members import Members, TaskDesk
@@ -28,7 +29,6 @@ HOST_WAKEUP = "\0host:"  # long-poll key prefix of a simulation host (agent ids 
 # one-shot serve waits this long after a host joined for agents that join by themselves to make up a population smaller
 # than --min-available, before it refuses the host (its rounds would never start: the worker hung in silence)
 MAX_HOSTED_TASKS = 512  # tasks in one PullHostTasksReply (a reply also stays within --max-chunk-bytes)
-REPEATED_FIELD_BYTES = 6  # an entry's field tag and length prefix, at most, in a reply under 64 MiB
 
 
 class Populations(Members):
@@ -224,7 +224,7 @@ class Populations(Members):
         desk.clock.stamp_reply(out)
         room = self.config.max_chunk_bytes - out.ByteSize()
         inline = desk.inline_weights()
-        inline_bytes = len(inline[0]) + len(inline[1]) + 2 * REPEATED_FIELD_BYTES if inline is not None else 0
+        inline_bytes = len(inline[0]) + len(inline[1]) + 2 * REPEATED_ENTRY_BYTES if inline is not None else 0
         if inline_bytes and inline_bytes <= room // 2:
             room -= inline_bytes  # the model once, beside the tasks
         else:
@@ -232,7 +232,7 @@ class Populations(Members):
         carried = self._host_carried.pop(host_id, None)  # made already (a task is handed out once): it goes first
         if carried is not None and _still_due(carried, desk.current):
             out.tasks.append(carried)
-            room -= carried.ByteSize() + REPEATED_FIELD_BYTES
+            room -= carried.ByteSize() + REPEATED_ENTRY_BYTES
         batch = pending[:MAX_HOSTED_TASKS]
         taken = len(batch)
         for i, (agent_id, record) in enumerate(zip(batch, self.registry.get_many(batch))):  # one pass of records
@@ -242,7 +242,7 @@ class Populations(Members):
                 continue
             hosted = out.tasks.add(agent_id=agent_id)
             hosted.task.MergeFrom(reply.task)
-            size = hosted.ByteSize() + REPEATED_FIELD_BYTES
+            size = hosted.ByteSize() + REPEATED_ENTRY_BYTES
             if size > room and len(out.tasks) > 1:  # the first task always goes: the Grid bounds one message
                 self._host_carried[host_id] = pb.HostedTask()
                 self._host_carried[host_id].CopyFrom(hosted)
