@@ -23,12 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedpar.cli.config import chose
 from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.observability import add_observability_arguments
 from fedpar.cli.progress import StepBar
 from fedpar.cli.renamed import add_alias, add_replicas_renamed
 from fedpar.cli.task_options import load_task_from_args, task_options
 from fedpar.cli.user_errors import reader_left
+from fedpar.datasets.registry import dataset_entry
+from fedpar.datasets.settings import DataSource
 from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, TrainConfig
 from fedpar.settings import setting
 from fedpar.task import TaskError, TaskReference
@@ -81,7 +84,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise ConfigurationError(f"--model-arg {item!r} must look like KEY=VALUE, e.g. n_layer=4")
         kwargs[key.strip()] = _parse_value(value.strip())
     return from_args(TrainConfig, args, tensorboard=args.tensorboard, model_kwargs=kwargs,
-                     parallel=from_args(ParallelConfig, args))
+                     parallel=from_args(ParallelConfig, args), model=_model_of(args))
+
+
+def _model_of(args: argparse.Namespace) -> str:
+    """--model, or when it is not given the model the dataset trains (gpt on --dataset text, else mlp)."""
+    if chose(args, "model") or args.model != DataSource().model or getattr(args, "task", None):
+        return args.model
+    try:
+        return dataset_entry(args.dataset).model
+    except (TypeError, ValueError):  # an unknown name is said where the data loads, naming the valid ones
+        return args.model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -341,8 +354,7 @@ def _resume_hint(cfg: TrainConfig) -> str:
 def check_all_apply(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """ConfigurationError naming each option the user typed that ``cfg``'s run would ignore, and what it needs to
     apply; one only a --config file set is said in a note (cli/config.py ignored_given)."""
-    from fedpar.cli.config import chose, ignored_given
-    from fedpar.datasets.registry import dataset_entry
+    from fedpar.cli.config import ignored_given
     from fedpar.settings import flag_of
 
     entry, p = dataset_entry(cfg.dataset), cfg.parallel

@@ -28,6 +28,7 @@ class Dataset:
     full_name: Callable[[str, int], str] | None = None  # full_name(name, clients): what a federation fills in
     # fits(full name, processes, partition): ValueError when this machine's memory cannot hold the federation
     fits: Callable[[str, int, str], None] | None = None
+    model: str = "mlp"  # the zoo's model it trains when --model is not given
 
     def matches(self, key: str) -> bool:
         """Whether lower-cased ``key`` names this dataset (``NAME``, or ``NAME:...`` when its usage takes more)."""
@@ -43,7 +44,8 @@ class Dataset:
 def register_dataset(name: str, *, help: str, usage: str = "", folder: str = "",
                      train: Callable[..., Any] | None = None,
                      full_name: Callable[[str, int], str] | None = None,
-                     fits: Callable[[str, int, str], None] | None = None) -> Callable[[Callable], Callable]:
+                     fits: Callable[[str, int, str], None] | None = None,
+                     model: str = "mlp") -> Callable[[Callable], Callable]:
     """Decorator of a loader: offer it as dataset ``name`` (``--dataset``, ``load_dataset``; the rest as
     :class:`Dataset` says)."""
 
@@ -51,7 +53,7 @@ def register_dataset(name: str, *, help: str, usage: str = "", folder: str = "",
         known = _REGISTERED.get(name)
         if known is not None and known.load.__qualname__ != load.__qualname__:
             raise TypeError(f"dataset name {name!r} is taken by {known.load.__module__}.{known.load.__qualname__}")
-        _REGISTERED[name] = Dataset(name, usage or name, help, load, folder, train, full_name, fits)
+        _REGISTERED[name] = Dataset(name, usage or name, help, load, folder, train, full_name, fits, model)
         return load
 
     return register

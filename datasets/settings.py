@@ -17,8 +17,8 @@ class DataSource:
     dataset: str = setting("digits", group="data", help=DATASET_HELP, resume=DEFINES)
     model: str = setting("mlp", group="data",
                          help="model of the zoo: mlp, or cnn (the FedAvg paper's CNN); train also takes gpt (on "
-                              "--dataset text) and serve synthetic (no data: see --params). A federation's "
-                              "coordinator and agents use the same", resume=DEFINES)
+                              "--dataset text, where it is the default) and serve synthetic (no data: see --params). "
+                              "A federation's coordinator and agents use the same", resume=DEFINES)
 
 
 @dataclass

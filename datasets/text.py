@@ -57,10 +57,13 @@ def load_text(path: str | Path, block_size: int, val_fraction: float = 0.1) -> C
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     path = Path(path)
     if path.is_dir():
-        inside = sorted(path.glob("*.txt"))
-        example = inside[0] if inside else path / "input.txt"
-        raise FileNotFoundError(f"text corpus {path} is a folder; pass the text file inside it, e.g. "
-                                f"--data-path {example}")
+        inside = sorted(p for p in path.glob("*.txt") if p.is_file())
+        if len(inside) != 1:  # a folder of one text file (Tiny Shakespeare's input.txt) is that file
+            example = inside[0] if inside else path / "input.txt"
+            held = f"{len(inside)} text files" if inside else "no .txt file"
+            raise FileNotFoundError(f"text corpus {path} is a folder with {held}; pass the text file to train on, "
+                                    f"e.g. --data-path {example}")
+        path = inside[0]
     if not path.is_file():
         raise FileNotFoundError(f"text corpus {path} does not exist; pass the path of a UTF-8 text file")
     try:
@@ -125,8 +128,8 @@ def text_train_data(name: str, data_path: str | Path | None, block_size: int, se
     return TrainData(x, y, vx, vy, LANGUAGE_MODEL), {"vocab_size": corpus.vocab_size, "block_size": block_size}
 
 
-@register_dataset("text", help="a character corpus for language models: train --model gpt --data-path FILE",
-                  train=text_train_data)
+@register_dataset("text", help="a character corpus for language models: train (the gpt) --data-path FILE",
+                  train=text_train_data, model="gpt")
 def text_dataset(name: str) -> None:
     """``--dataset text`` where a classification set is read: refused, saying where it trains."""
     raise ValueError("text is a character corpus for language models, not a classification set: train the gpt "

@@ -3,6 +3,8 @@ two real gloo ranks), an empty training set."""
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -98,9 +100,9 @@ def test_two_ranks_say_the_task_s_failure_in_one_line_and_debug_shows_the_traceb
 
 
 @pytest.mark.parametrize("extra, line", [
-    (["--model", "gpt", "--dataset", "text", "--data-path", "{tmp}/corpus"],
-     "fedpar train: text corpus {tmp}/corpus is a folder; pass the text file inside it, e.g. --data-path "
-     "{tmp}/corpus/input.txt"),
+    (["--dataset", "text", "--data-path", "{tmp}/texts"],  # a folder of one text file is that file (below)
+     "fedpar train: text corpus {tmp}/texts is a folder with 2 text files; pass the text file to train on, e.g. "
+     "--data-path {tmp}/texts/a.txt"),
     (["--model", "mlp", "--dataset", "csv:{tmp}/none.csv"],
      "fedpar train: --dataset csv:{tmp}/none.csv: {tmp}/none.csv does not exist; pass the path of a CSV file with a "
      "header row, a 'label' column and numeric features, e.g. --dataset csv:data/table.csv"),
@@ -142,6 +144,9 @@ def test_two_ranks_say_the_task_s_failure_in_one_line_and_debug_shows_the_traceb
 def test_a_data_or_layout_mistake_names_the_option_and_what_to_pass(extra, line, tmp_path, capsys):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "input.txt").write_text("to be or not to be " * 20)
+    (tmp_path / "texts").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "texts" / name).write_text("to be or not to be " * 20)
     argv = ["train", *[arg.replace("{tmp}", str(tmp_path)) for arg in extra], "--device", "cpu",
             "--out", str(tmp_path / "out")]
     code, lines = _said(argv, capsys)
@@ -157,6 +162,19 @@ def test_a_batch_larger_than_one_training_example_says_the_count_in_the_singular
                          "cpu", "--out", str(tmp_path / "out")], capsys)
     assert (code, lines) == (2, [f"fedpar train: --batch-size 2 is more than the 1 training example of --dataset "
                                  f"csv:{table}; give --batch-size 1 or less"]), lines
+
+
+def test_a_text_corpus_trains_the_gpt_without_model_and_a_folder_of_one_text_file_is_that_file(tmp_path, capsys):
+    # 'fedpar train --dataset text --data-path DIR' said "use --model gpt, not mlp" (the default), then, given it,
+    # that DIR (Tiny Shakespeare's folder, holding input.txt alone) is a folder
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "input.txt").write_text("to be or not to be, that is the question " * 40)
+    out = tmp_path / "out"
+    code, lines = _said(["train", "--dataset", "text", "--data-path", str(tmp_path / "corpus"), "--block-size", "16",
+                         "--model-arg", "n_layer=1", "--model-arg", "d_model=16", "--model-arg", "n_head=2",
+                         "--max-steps", "2", "--no-plot", "--device", "cpu", "--out", str(out)], capsys)
+    assert (code, lines) == (0, []), lines
+    assert json.loads((out / "summary.json").read_text())["model"] == "gpt"
 
 
 @pytest.mark.parametrize("given, state", [("none.csv", "does not exist"), ("corpus", "is a folder")])

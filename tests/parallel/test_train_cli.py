@@ -338,7 +338,8 @@ def test_train_refuses_bad_layouts_before_any_rank_starts(tmp_path: Path, capsys
     (["--dataset", "mnist", "--data-path", "NOWHERE"], "MNIST folder NOWHERE does not exist"),
     (["--dataset", "text"], "--dataset text needs --data-path FILE"),
     (["--model", "gpt"], "the gpt model trains on --dataset text"),
-    (["--dataset", "text", "--data-path", "TEXT"], "--dataset text is a language-modelling corpus; use --model gpt"),
+    (["--model", "mlp", "--dataset", "text", "--data-path", "TEXT"],  # gpt there unless --model says otherwise
+     "--dataset text is a language-modelling corpus; use --model gpt"),
     (["--model-arg", "depth=3"], "model 'mlp' does not take depth"),
 ])
 def test_train_says_a_data_or_model_mistake_in_one_line_before_any_rank_starts(tmp_path: Path, capsys, monkeypatch,
