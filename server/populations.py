@@ -220,7 +220,14 @@ class Populations(Members):
         Flower message rides in each member's task); the next call takes the rest."""
         pending = sorted(self._host_tasks.get(host_id, ()))
         out = pb.PullHostTasksReply()
-        out.go.extend(sorted(self._host_go.pop(host_id, ())))
+        go, room = sorted(self._host_go.pop(host_id, ())), self.config.max_chunk_bytes // 2  # half for the go-aheads
+        for told, member in enumerate(go):
+            room -= len(member.encode()) + REPEATED_ENTRY_BYTES
+            if room < 0 and told:  # the rest go with the next reply
+                self._host_go[host_id] = set(go[told:])
+                go = go[:told]
+                break
+        out.go.extend(go)
         desk.clock.stamp_reply(out)
         room = self.config.max_chunk_bytes - out.ByteSize()
         inline = desk.inline_weights()

@@ -143,3 +143,22 @@ def test_the_virtual_clock_needs_simulation_hosts_and_runs_with_ranks_and_secure
         CoordinatorConfig(virtual_clock=True).validate()
     CoordinatorConfig(virtual_clock=True, accept_populations=True, aggregator_ranks=2,
                       secure_aggregation=True).validate()
+
+
+def test_the_go_aheads_of_a_big_cohort_come_in_replies_each_within_max_chunk_bytes(start_coordinator):
+    # a reply took every member the clock let go: one id each, past --max-chunk-bytes for a big enough cohort
+    ids = [f"g{i:03d}" for i in range(600)]
+    limit = 1024
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, virtual_clock=True,
+                               clients_per_round=600, overselect=1.0, min_available=600, deadline_seconds=10.0,
+                               max_chunk_bytes=limit)
+    stub = _stub(server)
+    joined = _join(stub, "host-g", ids)
+    host = pb.AgentAuth(agent_id="host-g", token=joined.host_token)
+    tasks = _tasks(stub, host, 600)
+    estimates = [pb.FinishEstimate(agent_id=a, task_id=t.task_id, seconds=1.0) for a, t in tasks.items()]
+    replies = [_pull(stub, host, finish_estimates=estimates)]
+    while sum(len(r.go) for r in replies) < 600 and len(replies) < 100:
+        replies.append(_pull(stub, host))
+    assert sorted(m for r in replies for m in r.go) == ids and len(replies) > 1
+    assert all(r.ByteSize() <= limit for r in replies), [r.ByteSize() for r in replies]
