@@ -38,8 +38,8 @@ from fedpar.client.host_stream import KeptStream
 from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import SendSmall, ingest_address, upload_small
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, REPEATED_ENTRY_BYTES, SESSION_FREE_IN,
-                                   SMALL_UPDATE_BYTES, CoordinatorStub, channel_options, member_token, one_line)
+from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SESSION_FREE_IN, SMALL_UPDATE_BYTES,
+                                   CoordinatorStub, channel_options, entries_within, member_token, one_line)
 from fedpar.protocol.task_settings import MAX_TASK_SECONDS
 from fedpar.security.handshake import answers_http1, diagnose_handshake, tls_mismatch, unknown_host
 from fedpar.security.tls import TlsFiles
@@ -659,13 +659,8 @@ class HostLink:
         """The members whose availability changes the next pull tells, oldest change first: as many as half the
         coordinator's --max-chunk-bytes holds (a million members' diurnal traces can change more at once than one
         request carries)."""
-        told, room = [], max(self.max_chunk, 1024) // 2
-        for member in self._availability:
-            room -= len(member.encode()) + REPEATED_ENTRY_BYTES
-            if room < 0 and told:
-                break
-            told.append(member)
-        return told
+        members = list(self._availability)
+        return members[:entries_within(members, max(self.max_chunk, 1024) // 2)]
 
     def pull(self) -> Pulled:
         """One long-poll on the host's task stream: the tasks to start now (under a virtual clock: those the

@@ -472,6 +472,18 @@ def build_payload(round_id: int, layout: ModelLayout, arrays: Sequence[np.ndarra
                          flat=memoryview(buffer))
 
 
+def entries_within(texts: Iterable[str], room: int) -> int:
+    """How many of ``texts``, in order, fit ``room`` bytes as entries of a repeated string field (one at least, when
+    there is one: a message must make progress)."""
+    count = 0
+    for text in texts:
+        room -= len(text.encode()) + REPEATED_ENTRY_BYTES
+        if room < 0 and count:
+            break
+        count += 1
+    return count
+
+
 def grpc_target(host: str, port: int) -> str:
     """``host:port`` as gRPC takes it: an IPv6 address in brackets (``[::1]:50051``; ``::1:50051`` failed to bind)."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -16,7 +16,7 @@ from typing import Sequence
 import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import REPEATED_ENTRY_BYTES
+from fedpar.protocol.codec import REPEATED_ENTRY_BYTES, entries_within
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.members import Members, TaskDesk
@@ -220,14 +220,11 @@ class Populations(Members):
         Flower message rides in each member's task); the next call takes the rest."""
         pending = sorted(self._host_tasks.get(host_id, ()))
         out = pb.PullHostTasksReply()
-        go, room = sorted(self._host_go.pop(host_id, ())), self.config.max_chunk_bytes // 2  # half for the go-aheads
-        for told, member in enumerate(go):
-            room -= len(member.encode()) + REPEATED_ENTRY_BYTES
-            if room < 0 and told:  # the rest go with the next reply
-                self._host_go[host_id] = set(go[told:])
-                go = go[:told]
-                break
-        out.go.extend(go)
+        go = sorted(self._host_go.pop(host_id, ()))
+        told = entries_within(go, self.config.max_chunk_bytes // 2)  # half for the go-aheads, the rest next reply
+        if told < len(go):
+            self._host_go[host_id] = set(go[told:])
+        out.go.extend(go[:told])
         desk.clock.stamp_reply(out)
         room = self.config.max_chunk_bytes - out.ByteSize()
         inline = desk.inline_weights()

@@ -3,7 +3,7 @@
 import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import RawData, decode_chunk_message, encode_data_message
+from fedpar.protocol.codec import RawData, decode_chunk_message, encode_data_message, entries_within
 
 
 @pytest.mark.parametrize("offset", [0, 1, 127, 128, 300, 2**35 + 5])
@@ -32,3 +32,12 @@ def test_other_messages_and_non_canonical_forms_use_the_generated_parser():
 def test_garbage_raises_a_decode_error():
     with pytest.raises(Exception):
         decode_chunk_message(b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", pb.UploadChunk)
+
+
+@pytest.mark.parametrize("count", [1, 10, 1000])
+def test_the_entries_that_fit_a_room_serialize_within_it(count):
+    ids = [f"member-{i:07d}" for i in range(5000)]  # 14 bytes each, 20 with the bound's tag and length
+    room = count * 20
+    fit = entries_within(ids, room)
+    assert fit == count and pb.PullHostTasksReply(go=ids[:fit]).ByteSize() <= room
+    assert entries_within(ids, 0) == 1 and entries_within([], 100) == 0  # one at least: a message moves on
