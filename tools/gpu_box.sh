@@ -7,7 +7,8 @@
 # GPU_VENV (default ~/fedpar-venv) is where the venv goes; the rest of make gpu-check's variables pass through.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MISSING="cryptography cffi pycparser opacus grpcio grpcio-health-checking protobuf"  # not in the box's image
+# not in the box's image; flwr and what it imports that the image lacks, for the Flower tests
+MISSING="cryptography cffi pycparser opacus grpcio grpcio-health-checking protobuf flwr pycryptodome iterators tomli tomli_w"
 
 case "${1:-}" in
 wheels)
