@@ -385,7 +385,7 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
     import grpc
 
     from fedpar.security.handshake import (NO_ANSWER, NO_CONNECTION, OPERATOR, answers_another_protocol,
-                                           answers_http1, diagnose_handshake, silence_at, speaks_tls, unknown_host)
+                                           answers_http1, diagnose_handshake, lookup_trouble, silence_at, speaks_tls)
     from fedpar.server.run_control import SERVICE_STOPPING
 
     control, code, details = args.control, err.code(), err.details() or ""
@@ -400,9 +400,9 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
         # addresses; last error: UNKNOWN: ipv4:...: Failed to connect to remote host: Connection refused'
         return (f"nothing listens at {control} (connection refused): is 'fedpar serve --state' running there, and is "
                 f"{control.rpartition(':')[2]} its --control-port?")
-    unknown = unknown_host(control, "--control", said) if code == grpc.StatusCode.UNAVAILABLE else None
-    if unknown is not None:
-        return unknown
+    lookup = lookup_trouble(control, "--control", said) if code == grpc.StatusCode.UNAVAILABLE else None
+    if lookup is not None:  # a command asks once: a lookup that fails for now is said as one that lasts is
+        return lookup[0]
     silence = silence_at(control, SILENT_SECONDS) if code == grpc.StatusCode.UNAVAILABLE else None
     if silence == NO_ANSWER:
         # gRPC calls a handshake the server never answered 'Handshake read failed (Endpoint closing)' after its

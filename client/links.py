@@ -41,7 +41,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SESSION_FREE_IN, SMALL_UPDATE_BYTES,
                                    CoordinatorStub, channel_options, entries_within, member_token, one_line)
 from fedpar.protocol.task_settings import MAX_TASK_SECONDS
-from fedpar.security.handshake import answers_http1, diagnose_handshake, tls_mismatch, unknown_host
+from fedpar.security.handshake import answers_http1, diagnose_handshake, lookup_trouble, tls_mismatch
 from fedpar.security.tls import TlsFiles
 from fedpar.task import UPLOAD_MARGIN_SECONDS
 
@@ -338,12 +338,16 @@ class Connection:
             return next((address for address, (_, kept) in self._ingest.items() if kept is stub), "")
 
     def why_unreachable(self) -> str | None:
-        """Why the coordinator is unreachable (gRPC says only UNAVAILABLE): a TLS setting that differs from ours is
-        returned, to be said in each retry line (its operator may restart it with ours); a host name that cannot be
-        looked up, a web server's port or a coordinator's data-plane port, a wrong CA, a name mismatch or a refused
+        """Why the coordinator is unreachable (gRPC says only UNAVAILABLE): a host name that cannot be looked up for
+        now (no DNS server answered) or a TLS setting that differs from ours is returned, to be said in each retry
+        line (DNS may come back; its operator may restart it with ours); a host name no DNS server knows, a web
+        server's port or a coordinator's data-plane port, a wrong CA, a name mismatch or a refused
         certificate, which retrying does not cure, is a FatalAgentError."""
+        lookup = lookup_trouble(self.config.server, "--server")
+        if lookup is not None and not lookup[1]:  # no DNS server answered: retried, the reason in each retry's line
+            return lookup[0]
         # a web server answers at once: a host that drops packets holds each retry 1 s more, not 3
-        unknown = unknown_host(self.config.server, "--server") or answers_http1(self.config.server, 1.0) or \
+        unknown = (lookup[0] if lookup is not None else None) or answers_http1(self.config.server, 1.0) or \
             answers_as_data_plane(self.config.server, 1.0)
         if unknown is not None:
             raise FatalAgentError(f"{self.config.agent_id}: {unknown}")

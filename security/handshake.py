@@ -70,21 +70,25 @@ def split_address(address: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def unknown_host(address: str, flag: str, said: str = "") -> str | None:
-    """The line saying that the host name of ``address`` (given to ``flag``) cannot be looked up, or None when it can.
-    A failed gRPC call's words ``said`` settle it when they say resolving failed; else the resolver does: a name it
-    knows nothing of, or one that cannot be a name (a label over 63 characters), not a lookup that failed for now."""
+def lookup_trouble(address: str, flag: str, said: str = "") -> tuple[str, bool] | None:
+    """Why the host name of ``address`` (given to ``flag``) cannot be looked up, and whether that lasts: a name the
+    resolver knows nothing of, or one that cannot be a name (a label over 63 characters), against a lookup that failed
+    for now (no DNS server answered: a machine without one, or an outage). None when it can be looked up. A failed
+    gRPC call's words ``said`` settle it as lasting when they say resolving failed."""
     target = split_address(address)
     if "resol" not in said.lower():  # 'errors resolving ...', 'DNS resolution failed'
+        if target is None:
+            return None
         try:
-            if target is None or socket.getaddrinfo(*target, type=socket.SOCK_STREAM):
-                return None
+            socket.getaddrinfo(*target, type=socket.SOCK_STREAM)
+            return None
         except socket.gaierror as exc:
-            if exc.errno not in _NO_SUCH_NAME:  # no DNS server answered, say: it may answer the next time
-                return None
+            if exc.errno not in _NO_SUCH_NAME:  # it may answer the next time
+                return (f"the host name of {address} cannot be looked up now ({exc.strerror}): no DNS server "
+                        f"answered; check this machine's DNS, or give {flag} an IP address"), False
         except (UnicodeError, ValueError):
             pass
-    return f"the host name of {address} cannot be looked up (mistyped? a name no DNS server knows); check {flag}"
+    return f"the host name of {address} cannot be looked up (mistyped? a name no DNS server knows); check {flag}", True
 
 
 _NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
