@@ -179,9 +179,11 @@ def measure(work: Path, timeout: float) -> dict:
     """Trace one round of `fedpar serve` and one `fedpar client`; their files, per side and together."""
     me = [sys.executable, str(Path(__file__).resolve()), "--child"]
     port_file = work / "port"
+    # both on the CPU, where issue 26's counts were set: on a GPU box the round also ran the device's own code (31
+    # files, 2026-11-29)
     serve = _traced(me, work, "server", ["serve", "--dataset", "digits", "--rounds", "1", "--clients-per-round", "1",
                                          "--min-available", "1", "--port", "0", "--port-file", str(port_file),
-                                         "--out", str(work / "out"), "--insecure"])
+                                         "--out", str(work / "out"), "--insecure", "--device", "cpu"])
     agent = None
     try:
         end = time.monotonic() + timeout
@@ -190,7 +192,8 @@ def measure(work: Path, timeout: float) -> dict:
                 raise RuntimeError(f"fedpar serve did not start listening:\n{_tail(work, 'server')}")
             time.sleep(0.1)
         agent = _traced(me, work, "agent", ["client", "--server", f"127.0.0.1:{port_file.read_text().strip()}",
-                                            "--dataset", "digits", "--agent-id", "trace-0", "--insecure"])
+                                            "--dataset", "digits", "--agent-id", "trace-0", "--insecure",
+                                            "--device", "cpu"])
         for proc in (agent, serve):
             proc.wait(timeout=max(1.0, end - time.monotonic()))
     finally:

@@ -141,11 +141,12 @@ def test_mnist_images_are_mapped_from_the_cache_and_kept_in_memory_where_it_cann
     np.testing.assert_array_equal(load_dataset("mnist", tmp_path).train.images, x)  # read back from the cache
 
 
-def test_a_population_too_big_for_the_memory_gets_one_line_before_it_starts(capsys):
+def test_a_population_too_big_for_the_memory_gets_one_line_before_it_starts(capsys, tmp_path):
     from fedpar.cli.main import main
 
+    # its own --out: the default (runs/simulation under the tests' working folder) may be another test's run's
     code = main(["simulate", "--clients", "10000000000", "--clients-per-round", "100", "--dataset", "synthetic:1:1",
-                 "--rounds", "5"])
+                 "--rounds", "5", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
     assert err.startswith("fedpar simulate: a population of 10,000,000,000 clients") and "GiB of memory" in err

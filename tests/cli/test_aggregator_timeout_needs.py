@@ -48,6 +48,6 @@ def test_with_several_ranks_the_aggregator_timeout_is_taken(ranks, world, tmp_pa
     else:
         monkeypatch.setenv("WORLD_SIZE", world)
     assert main(["serve", "--insecure", "--port", "0", *ranks, "--aggregator-timeout", "5", "--secure-aggregation",
-                 "--clients-per-round", "1", "--out", str(tmp_path)]) == 2
+                 "--clients-per-round", "1", "--out", str(tmp_path), "--device", "cpu"]) == 2
     lines = [line for line in _lines(capsys) if line.startswith("fedpar serve: ")]
     assert len(lines) == 1 and "secure aggregation hides each update" in lines[0], lines

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from support.processes import started
+
 AGENT = [sys.executable, "-m", "fedpar", "client", "--agent-id", "big", "--server", "127.0.0.1:1", "--insecure",
          "--device", "cpu", "--nproc", "2", "--fsdp", "2", "--dist-timeout", "60"]
 
@@ -40,25 +42,6 @@ def task():
 '''
 
 
-def _children(pid: int) -> list[int]:
-    """The processes ``pid`` started (Linux /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _ranks(pid: int) -> list[int]:
-    """The rank processes of agent process ``pid``: forked copies of it (not multiprocessing's resource tracker)."""
-    mine = Path(f"/proc/{pid}/cmdline").read_bytes()
-    return [c for c in _children(pid) if Path(f"/proc/{c}/cmdline").read_bytes() == mine]
-
-
 def test_a_task_that_raises_as_its_ranks_train_is_one_line(tmp_path):
     (tmp_path / "fixed_batch.py").write_text(FIXED_BATCH_TASK)
     done = subprocess.run([*AGENT, "--task", f"{tmp_path / 'fixed_batch.py'}:task", "--give-up-after", "5"],
@@ -76,7 +59,7 @@ def test_a_rank_killed_from_outside_stops_the_agent_in_one_line():
             line = agent.stdout.readline()
             assert line, f"the agent ended before its ranks met: {said}"
             said += line
-        ranks = _ranks(agent.pid)
+        ranks = started(agent.pid)
         assert len(ranks) == 2, ranks
         victim = ranks[-1]
         os.kill(victim, signal.SIGKILL)

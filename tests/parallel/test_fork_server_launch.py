@@ -71,8 +71,8 @@ spawn(1, wait_long, {str(pid_file)!r}, parent_stops=True, start_method=method)
 
 @pytest.mark.parametrize("preload", ["fedpar's", "without its exit"])
 def test_a_fork_server_leaves_without_the_interpreters_teardown_once_its_launcher_is_gone(tmp_path, preload):
-    """The fork server skips tearing torch and the rest down (0.4-0.5 s of CPU): a module global it preloaded is
-    never deleted. Without parallel/fork_server_exit.py among its preloads the same global is, so the check holds."""
+    """The fork server skips tearing torch and the rest down (0.4-0.5 s of CPU): the exit handler of a module it
+    preloaded first never runs. Without parallel/fork_server_exit.py among its preloads it does, so the check holds."""
     marker = tmp_path / "torn-down"
     script = SERVED + f"""
 from multiprocessing import forkserver

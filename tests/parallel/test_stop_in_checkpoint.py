@@ -133,10 +133,11 @@ def test_train_stopped_as_it_keeps_a_checkpoint_every_step_stops_in_one_line_and
         assert err.strip().endswith(f"; the same command resumes from its checkpoint {kept.name}"), err
 
 
-# `fedpar train ARGS` whose ranks, as they write their first checkpoint, send the launcher a Ctrl-C and wait in DCP's
-# write for the launcher to stop them (its ranks are forked: the patch is theirs too)
+# Installed in every process of `fedpar train` (a sitecustomize.py on PYTHONPATH, so spawned ranks have it as forked
+# ones do): its ranks, as they write their first checkpoint, send the launcher a Ctrl-C and wait in DCP's write for the
+# launcher to stop them.
 STOPPED_IN_FIRST_SAVE = """
-import os, signal, sys, time
+import os, signal, time
 from fedpar.parallel.dcp_storage import PlainFileSystemWriter
 
 original = PlainFileSystemWriter.write_data
@@ -147,8 +148,6 @@ def stopped(self, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 PlainFileSystemWriter.write_data = stopped
-from fedpar.cli.main import main
-sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -163,8 +162,12 @@ def test_a_fresh_run_stopped_in_its_first_checkpoint_leaves_the_earlier_runs_che
     assert run_main([*train, "--max-steps", "1"], capfd, tmp_path).returncode == 0
     step = tmp_path / "r" / "checkpoints" / "step-00000001"
     kept = {p.name: p.read_bytes() for p in step.iterdir()}
-    done = subprocess.run([sys.executable, "-c", STOPPED_IN_FIRST_SAVE, *train, "--max-steps", "5", "--no-resume",
-                           "--nproc", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    patched = tmp_path / "patched"
+    patched.mkdir()
+    (patched / "sitecustomize.py").write_text(STOPPED_IN_FIRST_SAVE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(patched), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "fedpar", *train, "--max-steps", "5", "--no-resume", "--nproc", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 130 and done.stderr == (
         "fedpar train: interrupted after 0 logged steps; wrote nothing to r; the same command without --no-resume "
         "resumes from its checkpoint step-00000001\n"), done.stderr

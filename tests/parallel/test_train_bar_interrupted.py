@@ -55,7 +55,7 @@ TASK = ["--task", f"{EXAMPLES}/own_task.py:task", "--task-option", f"csv={EXAMPL
 @pytest.mark.parametrize("trained, nproc", [(ZOO, "1"), (ZOO, "2"), (TASK, "1"), (TASK, "2")],
                          ids=["zoo", "zoo-nproc-2", "task", "task-nproc-2"])
 def test_ctrl_c_takes_the_bar_down_and_shows_the_cursor_before_the_last_line(tmp_path, trained, nproc):
-    text, code = _interrupted_on_a_terminal(["train", *trained, "--no-plot", "--nproc", nproc,
+    text, code = _interrupted_on_a_terminal(["train", *trained, "--no-plot", "--nproc", nproc, "--device", "cpu",
                                              "--out", str(tmp_path / "out")])
     assert code == 130, text[-2000:]
     before, said = text.rsplit("fedpar train: interrupted", 1)

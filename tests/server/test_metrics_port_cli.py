@@ -22,7 +22,7 @@ ENDPOINT = re.compile(r"Prometheus metrics at http://127\.0\.0\.1:(\d+)/metrics"
 
 def _serve(tmp_path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", "0", "--metrics-port",
-                             "0", "--min-available", "2", "--out", str(tmp_path / "out"), *flags],
+                             "0", "--min-available", "2", "--out", str(tmp_path / "out"), "--device", "cpu", *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

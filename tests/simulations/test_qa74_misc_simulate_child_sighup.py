@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from support.processes import children
+from support.processes import coordinator_child
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,13 +35,6 @@ def _until_checkpointed(run: subprocess.Popen, cwd: Path) -> None:
         time.sleep(0.2)
 
 
-def _coordinator(launcher: int) -> int:
-    """The launcher's child that runs the coordinator (forked: the same command line)."""
-    line = Path(f"/proc/{launcher}/cmdline").read_bytes()
-    kids = children(launcher)
-    return next((p for p in kids if Path(f"/proc/{p}/cmdline").read_bytes() == line), kids[0])
-
-
 @pytest.mark.parametrize("to_group", [False, True], ids=["child-alone", "whole-group"])
 def test_a_sighup_to_the_coordinators_child_stops_the_run_as_one_to_its_launcher(to_group, tmp_path):
     run = _start(tmp_path)
@@ -50,7 +43,7 @@ def test_a_sighup_to_the_coordinators_child_stops_the_run_as_one_to_its_launcher
         if to_group:  # a closed terminal: the launcher and its child both get it
             os.killpg(run.pid, signal.SIGHUP)
         else:
-            os.kill(_coordinator(run.pid), signal.SIGHUP)
+            os.kill(coordinator_child(run.pid), signal.SIGHUP)
         _, err = run.communicate(timeout=90)
     finally:
         run.kill()

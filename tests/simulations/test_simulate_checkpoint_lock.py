@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from support.in_process import run_main as run_main
-from support.processes import children
+from support.processes import coordinator_child
 
 SIMULATE = [sys.executable, "-m", "fedpar", "simulate", "--clients", "20", "--clients-per-round", "4", "--quiet",
             "--checkpoint-dir", "D", "--out", "O"]
@@ -43,13 +43,6 @@ def _until_checkpointed_again(run: subprocess.Popen, cwd: Path, latest: str) -> 
         time.sleep(0.05)
 
 
-def _coordinator(launcher: int) -> int:
-    """The launcher's child that runs the coordinator (forked: the same command line)."""
-    line = Path(f"/proc/{launcher}/cmdline").read_bytes()
-    kids = children(launcher)
-    return next((p for p in kids if Path(f"/proc/{p}/cmdline").read_bytes() == line), kids[0])
-
-
 def _refused(cwd: Path, run: subprocess.Popen, rounds: int, capfd) -> None:
     """A second run on the live checkpoint folder, into another --out (the same one is refused first, below), by
     fedpar's main in the test's process: its refusal's line and exit code are what it proves."""
@@ -67,7 +60,7 @@ def test_a_second_run_on_a_live_checkpoint_folder_is_refused_across_the_coordina
         _refused(tmp_path, run, 1, capfd)  # said 'nothing to train' and rewrote O/summary.json under the running run
         assert not (tmp_path / "O" / "summary.json").exists()
         before_kill = (tmp_path / "D" / "LATEST").read_text()
-        os.kill(_coordinator(run.pid), signal.SIGKILL)  # the launcher starts it again: it still holds the folder
+        os.kill(coordinator_child(run.pid), signal.SIGKILL)  # the launcher starts it again: it still holds the folder
         _until_checkpointed_again(run, tmp_path, before_kill)
         _refused(tmp_path, run, 2000, capfd)
         run.send_signal(signal.SIGINT)
@@ -104,7 +97,7 @@ def test_a_signal_to_the_coordinators_child_stops_the_run_as_one_to_its_launcher
     run = _start(tmp_path)
     try:
         _until_checkpointed(run, tmp_path)
-        os.kill(_coordinator(run.pid), signum)
+        os.kill(coordinator_child(run.pid), signum)
         _, err = run.communicate(timeout=60)
     finally:
         run.kill()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from support.processes import children
 
@@ -28,7 +29,9 @@ SERVER_APP = ["--flower-app", str(ROOT / "tests" / "flower" / "tiny_app"), "--ru
 def test_a_simulate_commands_workers_are_forked_copies_of_it_that_import_nothing_again(tmp_path, options):
     cmd = [sys.executable, "-m", "fedpar", "simulate", "--clients", "4", *options, "--out", str(tmp_path / "out"),
            "--quiet"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # no GPU for it: a visible one has the workers spawned (CUDA does not survive a fork)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     try:
         end, workers = time.monotonic() + 60, []
         while len(workers) < 2 and proc.poll() is None and time.monotonic() < end:
@@ -57,7 +60,9 @@ def test_workers_are_forked_from_a_process_of_one_thread_and_from_the_fork_serve
     other = threading.Thread(target=stop.wait)
     other.start()
     try:  # the other thread might hold a lock the copy would need (a log's, gRPC's): a forked worker could hang
-        assert start_method() == ("forkserver" if sys.platform.startswith("linux") else "spawn")
+        # this process may see a GPU (a GPU box): then spawned too
+        forks = sys.platform.startswith("linux") and not torch.cuda.is_available()
+        assert start_method() == ("forkserver" if forks else "spawn")
     finally:
         stop.set()
         other.join()

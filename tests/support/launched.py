@@ -22,11 +22,3 @@ def wait_long(pid_file: str) -> None:
     time.sleep(120)
 
 
-class SaysWhenTornDown:
-    """Writes ``path`` when the interpreter's teardown deletes it (a module global of :mod:`support.torn_down`)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __del__(self) -> None:
-        Path(self.path).write_text("torn down")

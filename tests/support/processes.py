@@ -107,6 +107,14 @@ def started(pid: int) -> list[int]:
     return sorted(found, key=_start_time)
 
 
+def coordinator_child(launcher: int) -> int:
+    """The process a simulate launcher runs its coordinator in: its forked copy (the same command line) where it
+    forks, else the first process multiprocessing started for it (spawned on a machine with a GPU, whose first child
+    is the resource tracker)."""
+    line, kids = _cmdline(launcher), started(launcher)
+    return next((p for p in kids if _cmdline(p) == line), kids[0])
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
