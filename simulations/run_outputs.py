@@ -62,6 +62,9 @@ class EarlierRun:
 
     FOLDER = ".earlier-run"
     KEPT = (*RUN_FILES, CHECKPOINT_POINTER)  # paths in ``out``
+    # written in FOLDER once every file is set aside: a run killed before (between two moves) had not started, and
+    # the earlier run's files still in ``out`` must not be taken for the new run's
+    DONE = ".set-aside"
 
     def __init__(self, out: Path):
         self.out = Path(out)
@@ -72,16 +75,20 @@ class EarlierRun:
             path = self.out / name
             if path.is_file():  # a folder in the way is no run's output: writing there says so (write_run_outputs)
                 self._set_aside(name)
+        if self.names:
+            (self.aside / self.DONE).touch()
 
     @classmethod
     def recover(cls, out: Path) -> None:
         """The files a killed run left set aside back in ``out``, each where no file of its name is (they are the
         only copy of the run before it: one that had written a round had let them go); also for a run that resumes,
-        and sets nothing aside."""
+        and sets nothing aside. A run killed as it set them aside (no DONE) wrote nothing: the earlier run's files
+        still in ``out`` are not its own."""
         aside = Path(out) / cls.FOLDER
         if not aside.is_dir():
             return
-        if not run_wrote(out):  # else it had let them go, had it not been killed before it could
+        # one that set them all aside and then wrote would have let them go, had it not been killed first
+        if not (aside / cls.DONE).is_file() or not run_wrote(out):
             for name in cls.KEPT:
                 kept = aside / name
                 if kept.is_file() and not (Path(out) / name).exists():

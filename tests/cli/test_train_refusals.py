@@ -295,8 +295,9 @@ def test_a_fresh_run_killed_after_its_first_row_is_not_resumed_from_the_earlier_
     assert _train_here([*steps, "--max-steps", "4", "--out", "out"], tmp_path, capfd)[0] == 0
     out, earlier = tmp_path / "out", _rows(tmp_path / "out")
     metrics = out / "metrics.jsonl"  # set aside: the one there is the killed run's
-    _kill_a_fresh_run(tmp_path, "1", lambda out: (out / ".earlier-run").is_dir() and metrics.is_file()
-                      and metrics.stat().st_size > 0)
+    # `latest` is the last file set aside (the folder alone appears before the first file leaves)
+    _kill_a_fresh_run(tmp_path, "1", lambda out: (out / ".earlier-run" / "checkpoints" / "latest").is_file()
+                      and metrics.is_file() and metrics.stat().st_size > 0)
     assert not (out / "checkpoints" / "latest").exists()
     code, lines = _train_here([*steps, "--max-steps", "4", "--out", "out"], tmp_path, capfd)
     assert code == 0, lines
