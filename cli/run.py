@@ -401,7 +401,7 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
         return (f"nothing listens at {control} (connection refused): is 'fedpar serve --state' running there, and is "
                 f"{control.rpartition(':')[2]} its --control-port?")
     lookup = lookup_trouble(control, "--control", said) if code == grpc.StatusCode.UNAVAILABLE else None
-    if lookup is not None:  # a command asks once: a lookup that fails for now is said as one that lasts is
+    if lookup is not None:  # a command asks once: a lookup that fails for now is said too
         return lookup[0]
     silence = silence_at(control, SILENT_SECONDS) if code == grpc.StatusCode.UNAVAILABLE else None
     if silence == NO_ANSWER:

@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 # settle; the last runs on a side stream, as torch.cuda.graph asks of the work it records.
 EAGER_STEPS = 2
 # Failed recordings in a row after which a model's steps stay eager for its life (its step does something a recording
-# cannot hold, an operation that waits for the host, say). Fewer are retried at the next step: a recording can fail
+# cannot hold, an operation that waits for the host, say). Before that, the next step records again: one can fail
 # once and not again ("operation failed due to a previous error during capture" in 5 simulations of the suite on an H200
 # busy with 14 test workers, 2026-11-29; none in 10 simulations on the idle box), and that left the model eager.
 GIVE_UP_AFTER = 3
