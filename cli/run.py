@@ -411,7 +411,8 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
                 f"{CONNECT_SECONDS + SILENT_SECONDS:.0f} s: is it running? stopped, e.g. with SIGSTOP? overloaded?); "
                 "try again, and see its log")
     if silence == NO_CONNECTION:
-        return (f"nothing at {control} took the connection within {CONNECT_SECONDS + SILENT_SECONDS:.0f} s (a host that "
+        waited = CONNECT_SECONDS + SILENT_SECONDS
+        return (f"nothing at {control} took the connection within {waited:.0f} s (a host that "
                 "is down, a wrong address, or a firewall dropping the packets); check --control")
     if code == grpc.StatusCode.UNAVAILABLE and speaks_tls(control) is False:  # was 'TLS handshake ... failed:
         # WRONG_VERSION_NUMBER; check --certs DIR ...': no certificate helps

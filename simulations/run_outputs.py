@@ -57,8 +57,9 @@ class EarlierRun:
     """The files an earlier run left in ``out``, set aside (``OUT/.earlier-run``) while a new run that does not resume
     it starts: :meth:`restore` if the new run is refused or stopped before it writes a round (a refused command, or
     a Ctrl-C at start-up, loses nothing), else :meth:`drop` (it ran: its summary must not sit beside the other run's
-    rows, model and plots): :meth:`settle` at its end chooses. ``OUT/checkpoints/latest`` (fedpar train's) goes with them: the earlier run stays
-    resumable while the new run has written nothing, and no resume takes up its checkpoint beside the new run's rows."""
+    rows, model and plots): :meth:`settle` at its end chooses. ``OUT/checkpoints/latest`` (fedpar train's) goes with
+    them: the earlier run stays resumable while the new run has written nothing, and no resume takes up its checkpoint
+    beside the new run's rows."""
 
     FOLDER = ".earlier-run"
     KEPT = (*RUN_FILES, CHECKPOINT_POINTER)  # paths in ``out``

@@ -1,5 +1,6 @@
 """The simulation's worker processes: forked from the command's process once it has imported what they run, where
-it may fork (one thread, no GPU), else from multiprocessing's fork server (Linux); and a run that stops before it hands them their slices ends them."""
+it may fork (one thread, no GPU), else from multiprocessing's fork server (Linux); and a run that stops before it
+hands them their slices ends them."""
 
 from __future__ import annotations
 
