@@ -38,8 +38,9 @@ from fedpar.client.host_stream import KeptStream
 from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import SendSmall, ingest_address, upload_small
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SESSION_FREE_IN, SMALL_UPDATE_BYTES,
-                                   CoordinatorStub, channel_options, entries_within, member_token, one_line)
+from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, FRAMING_BYTES, PROTOCOL_VERSION, SESSION_FREE_IN,
+                                   SMALL_UPDATE_BYTES, CoordinatorStub, channel_options, entries_within, member_token,
+                                   one_line)
 from fedpar.protocol.task_settings import MAX_TASK_SECONDS
 from fedpar.security.handshake import answers_http1, diagnose_handshake, lookup_trouble, tls_mismatch
 from fedpar.security.tls import TlsFiles
@@ -53,6 +54,9 @@ LEAVE_SECONDS = 2.0  # an agent's goodbye as it exits: not worth a longer wait o
 MAX_INGEST_ADDRESSES = 64  # aggregator ranks kept dialed (each holds a channel, and a host's an upload thread)
 MAX_CHUNK_BYTES = 64 << 20  # what a runtime's channels carry in one message (a coordinator's --max-chunk-bytes cap)
 JOIN_CHUNK = 10_000  # members registered per JoinPopulation call (the coordinator's --max-population-join default)
+# A member's bytes in a JoinPopulation request besides its id: the newline after it, its examples and, if away, its
+# index (varints of at most 10 bytes each)
+JOIN_MEMBER_BYTES = 21
 # Seconds a host's upload batch waits for more updates after its first (the round's last ones go at once): a fifth
 # of the margin a member keeps free before the deadline. Each call costs both ends far more than its bytes (gRPC's
 # per-call work); on a quiet machine 5, 20 and 50 ms gave the same 100-client digits round (0.08-0.09 s), on
@@ -619,13 +623,19 @@ class HostLink:
         self.local_epochs = 1  # the latest task's: with a member's examples, the bound on its update's weight
 
     def join(self) -> None:
-        """A new session for the host and every member, JOIN_CHUNK members per call; what was queued for the old
+        """A new session for the host and every member, up to JOIN_CHUNK members per call; what was queued for the old
         sessions is moot. The session this host held (the latest the coordinator gave it, a join cut short
         included) goes with the first call: it proves this process may take the host's place back, which the
         coordinator refuses (ALREADY_EXISTS) to another process while this one's session is live."""
         held, session = self.host.token, ""  # a new session, whatever the coordinator remembers
-        for start in range(0, len(self.members), JOIN_CHUNK):
+        # each call within the coordinator's limit: its chunk plus framing, known from its first reply; the first
+        # fits the framing alone (a coordinator of --max-chunk-bytes 4096 refused 10,000 members' every call)
+        room, start = FRAMING_BYTES // 2, 0
+        while start < len(self.members):
             ids, sizes, away = self.members.joining(start, min(start + JOIN_CHUNK, len(self.members)))
+            count = entries_within(ids, room, JOIN_MEMBER_BYTES)
+            ids, sizes, away = ids[:count], sizes[:count], away[:count]
+            start += count
             request = pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id=self.host.agent_id, token=session),
                                                replaces_token="" if session else held, incarnation=self.incarnation,
                                                protocol_version=PROTOCOL_VERSION,
@@ -636,6 +646,7 @@ class HostLink:
             reply = self.conn.stub.JoinPopulation(request, timeout=60)
             session = self.host.token = session_token(reply.host_token, self.config)
             self.max_chunk = chunk_limit(reply.max_chunk_bytes, self.config)
+            room = self.max_chunk + FRAMING_BYTES // 2
         self.small_below = self.max_chunk + 1  # whole updates up to a chunk ride in the host's batches
         self._held.clear()
         self._taken.clear()

@@ -472,12 +472,12 @@ def build_payload(round_id: int, layout: ModelLayout, arrays: Sequence[np.ndarra
                          flat=memoryview(buffer))
 
 
-def entries_within(texts: Iterable[str], room: int) -> int:
-    """How many of ``texts``, in order, fit ``room`` bytes as entries of a repeated string field (one at least, when
-    there is one: a message must make progress)."""
+def entries_within(texts: Iterable[str], room: int, beside: int = REPEATED_ENTRY_BYTES) -> int:
+    """How many of ``texts``, in order, fit ``room`` bytes as entries of a repeated string field, ``beside`` bytes
+    each besides its own (one at least, when there is one: a message must make progress)."""
     count = 0
     for text in texts:
-        room -= len(text.encode()) + REPEATED_ENTRY_BYTES
+        room -= len(text.encode()) + beside
         if room < 0 and count:
             break
         count += 1
