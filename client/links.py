@@ -632,7 +632,8 @@ class HostLink:
         # fits the framing alone (a coordinator of --max-chunk-bytes 4096 refused 10,000 members' every call)
         room, start = FRAMING_BYTES // 2, 0
         while start < len(self.members):
-            ids, sizes, away = self.members.joining(start, min(start + JOIN_CHUNK, len(self.members)))
+            most = max(1, min(JOIN_CHUNK, room // (JOIN_MEMBER_BYTES + 1)))  # no more ids made than can fit
+            ids, sizes, away = self.members.joining(start, min(start + most, len(self.members)))
             count = entries_within(ids, room, JOIN_MEMBER_BYTES)
             ids, sizes, away = ids[:count], sizes[:count], away[:count]
             start += count
