@@ -35,7 +35,7 @@ from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.config import Device
 from fedpar.parallel.stopping import StopRequested, exit_code, signal_name, stop_on_signals
 from fedpar.protocol.heap import freeze_startup_heap
-from fedpar.sections import Output
+from fedpar.sections import Output, Plots
 from fedpar.server.config import CoordinatorConfig
 from fedpar.settings import redefault, setting
 from fedpar.simulations.run_outputs import check_run_files
@@ -50,7 +50,7 @@ STOP_GRACE_SECONDS = 10.0
 
 
 @dataclass
-class ServeOptions(Output):
+class ServeOptions(Output, Plots):
     """What only ``fedpar serve`` sets: where it listens and writes, and the model it serves without data."""
 
     out: str = redefault(Output, "out", "runs/serve")

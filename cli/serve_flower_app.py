@@ -120,7 +120,8 @@ def _serve(args: argparse.Namespace, earlier: EarlierRun) -> int:
     outputs = write_run_outputs(Path(args.out), coordinator, {"flower_app": str(app.directory)},
                                 {"wall_seconds": time.monotonic() - started, "interrupted": stopped_by is not None,
                                  "flower": coordinator.flower_summary},
-                                title=f"Flower App {app.directory.name}, fedpar serve")
+                                title=f"Flower App {app.directory.name}, fedpar serve",
+                                plots=None if args.plot else False)
     written = [] if earlier.settle() else outputs.written  # no round: the earlier run's files are back
     print(RunOutputs(outputs.summary, written).wrote_line(args.out))
     return run_exit_code("fedpar serve", outputs.summary, signal_name(stopped_by) if stopped_by else None)

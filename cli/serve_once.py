@@ -171,7 +171,8 @@ def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:
 def _serve_once(args: argparse.Namespace, plan, ranks) -> int:
     """:func:`serve_once`, with --out held."""
     # matplotlib takes about a second to import: do it now, not after the last round (or a Ctrl-C).
-    threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
+    if args.plot:
+        threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     store = RunStore(":memory:")
     # a run that resumes its checkpoint goes on with the rows beside it
     service = OneShotService(args, store, lambda options: plan,

@@ -380,7 +380,7 @@ class RunService:
         outputs = self.outputs(out, server, plan, run, args,
                                {"wall_seconds": earlier + time.monotonic() - started,
                                 "earlier_processes_seconds": earlier, "interrupted": status != "finished"},
-                               plots=status is not None)  # a signal's stop has none: the service stops within 2 s
+                               plots=status is not None and args.plot)  # a signal's stop has none: it stops in 2 s
         if status is None:
             return RunEnd(None, "", outputs=outputs, stopped_by=stopped_by)
         if status == "stopped":  # the round its rows, 'fedpar run ls' and its summary hold: one value

@@ -1,5 +1,5 @@
-"""The settings sections every kind of command shares, declared once (``fedpar.settings``): the seed and the
-output folder. Like ``fedpar.settings`` it depends on nothing: every room may compose them."""
+"""The settings sections every kind of command shares, declared once (``fedpar.settings``): the seed, the
+output folder and its plots. Like ``fedpar.settings`` it depends on nothing: every room may compose them."""
 
 from __future__ import annotations
 
@@ -26,3 +26,13 @@ class Output:
                               help="folder this command writes into, created if missing: a run's metrics, summary, "
                                    "plots and final model (train: also its checkpoints); certs: the CA, "
                                    "certificates, keys and tokens (a CA already there is reused)", resume=UNRECORDED)
+
+
+@dataclass
+class Plots:
+    """Whether a run draws its PNG plots into its output folder."""
+
+    plot: bool = setting(True, group="outputs",
+                         help="draw the run's PNG plots into --out (simulate and serve: accuracy.png and loss.png, "
+                              "simulate also labels.png; train: loss_curve.png); --no-plot skips them and matplotlib's "
+                              "import, about a second of CPU a run", resume=UNRECORDED)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedpar.datasets.settings import DataSource
-from fedpar.sections import Output, Seeded
+from fedpar.sections import Output, Plots, Seeded
 from fedpar.settings import NOTED, UNRECORDED, flag_of, redefault, setting
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
@@ -237,7 +237,7 @@ def layout_for(parallel: ParallelConfig, world_size: int, device_type: str) -> P
 
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.
 @dataclass
-class TrainConfig(Output, Seeded, Device, DataSource):
+class TrainConfig(Output, Plots, Seeded, Device, DataSource):
     """Everything the centralized trainer needs: model, data, optimisation and the parallel layout."""
 
     out: str = redefault(Output, "out", "runs/train")
@@ -276,7 +276,6 @@ class TrainConfig(Output, Seeded, Device, DataSource):
                                     help="steps between checkpoints (0: none); with --task, one is kept at the end "
                                          "of the first epoch after each such span")
     resume: bool = setting(True, group="outputs", help="continue from OUT/checkpoints/latest if it exists")
-    plot: bool = setting(True, group="outputs", help="write loss_curve.png")
     tensorboard: str | None = None  # folder for TensorBoard events of the logged steps and evaluations (rank 0)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 

@@ -11,7 +11,7 @@ from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.parallel.config import Device, Precision
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.task_settings import LocalTraining
-from fedpar.sections import Output, Seeded
+from fedpar.sections import Output, Plots, Seeded
 from fedpar.server.config import (AccuracyTarget, AggregatorRanks, CoordinatorConfig, RoundClock, RoundSampling,
                                   SecureAggregation, StrategyChoice)
 from fedpar.settings import DEFINES, NOTED, RESUME, UNRECORDED, as_given, flag_of, redefault, setting
@@ -66,7 +66,7 @@ class Population:
 
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.
 @dataclass
-class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, RoundClock, SecureAggregation,
+class SimulationConfig(Output, Plots, AccuracyTarget, Precision, Device, Population, RoundClock, SecureAggregation,
                        AggregatorRanks, StrategyChoice, FlowerAppReference, TaskReference, Seeded, Partitioning,
                        DataFiles, DataSource,
                        LocalTraining, RoundSampling):

@@ -144,5 +144,6 @@ def _serve_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None, ou
     if not out:
         return {**coordinator.metrics.summary.result(), **extra, "written": []}
     outputs = write_run_outputs(out, coordinator, {"flower_app": str(app.directory)}, extra,
-                                title=f"Flower App {app.directory.name}, {cfg.clients} clients")
+                                title=f"Flower App {app.directory.name}, {cfg.clients} clients",
+                                plots=None if cfg.plot else False)
     return {**outputs.summary, "written": outputs.written}

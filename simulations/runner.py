@@ -202,7 +202,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     # The worker processes start as early as they can (forked before this process runs a second thread): their data
     # loading overlaps the coordinator's.
     workers = workers or start_workers(cfg)
-    if cfg.out:
+    if cfg.out and cfg.plot:
         # matplotlib takes about a second to import: do it while the workers start, not after the last round.
         threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves

@@ -60,6 +60,7 @@ QUICK_TRAINING = ["--local-epochs", "1", "--batch-size", "32", "--lr", "0.05"]  
 def _serve(tmp: Path, ranks: int, *flags: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--insecure", "--port", "0", "--port-file",
            str(tmp / "port"), "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), "--no-central-eval",
+           "--no-plot",
            "--aggregator-ranks", str(ranks), *RANKS_ON_CPU, "--inline-weights-bytes", "0", "--overselect", "1.0",
            "--min-available", "4", "--heartbeat", "1", "--liveness-timeout", "30",
            *(("--aggregator-timeout", "30") if ranks > 1 else ()), *QUICK_TRAINING, *flags]

@@ -9,7 +9,7 @@ import pytest
 
 from fedpar.cli.main import main
 
-SMALL = ["--dataset", "digits", "--model", "mlp", "--seed", "0", "--quiet"]
+SMALL = ["--dataset", "digits", "--model", "mlp", "--seed", "0", "--quiet", "--no-plot"]
 
 
 def _simulate(out, *flags) -> list[dict]:

@@ -20,7 +20,7 @@ from support.in_process import logging_as_a_fresh_process, run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--dataset", "digits", "--clients-per-round", "2", "--local-epochs", "1", "--seed", "7", "--workers", "1",
-          "--seats", "1", "--quiet"]
+          "--seats", "1", "--quiet", "--no-plot"]
 
 
 def _argv(*extra: str, out: Path, ckpt: Path, clients: int, rounds: int) -> list[str]:

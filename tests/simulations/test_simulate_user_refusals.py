@@ -11,7 +11,7 @@ import pytest
 from support.in_process import run_main as run_main
 
 SIMULATE = [sys.executable, "-m", "fedpar", "simulate", "--clients", "20", "--clients-per-round", "5", "--rounds",
-            "2", "--quiet"]
+            "2", "--quiet", "--no-plot"]
 # the same command run by fedpar's main in the test's process: a refusal's one line and exit code, and a run's
 # outputs, are what these tests prove, not the process boundary (the kill -9 below keeps its own process)
 SIMULATE_HERE = SIMULATE[3:]

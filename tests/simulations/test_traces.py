@@ -57,8 +57,8 @@ def test_a_trace_and_the_virtual_clock_need_no_other_flag(tmp_path, capfd):
     from fedpar.cli.main import main
 
     out = tmp_path / "run"
-    assert main(["simulate", "--clients", "60", "--clients-per-round", "4", "--rounds", "2", "--local-epochs", "1",
-                 "--trace", "fedscale", "--clock", "virtual", "--quiet", "--log-level", "info",
+    assert main(["simulate", "--no-plot", "--clients", "60", "--clients-per-round", "4", "--rounds", "2",
+                 "--local-epochs", "1", "--trace", "fedscale", "--clock", "virtual", "--quiet", "--log-level", "info",
                  "--out", str(out)]) == 0
     # every worker heard that training was over before the coordinator stopped (a host whose members were all away
     # at the end polls last: it was left retrying a coordinator that was gone, for 30 s, about one run in four)
@@ -82,7 +82,7 @@ def test_under_the_virtual_clock_simulated_time_moves_on_while_too_few_clients_a
 
     trace = _trace(tmp_path / "late.csv", [3600, 3600, 0, 3600], [7200] * 4)
     out = tmp_path / "run"
-    assert main(["simulate", "--clients", "4", "--rounds", "2", "--local-epochs", "1", "--trace", trace,
+    assert main(["simulate", "--no-plot", "--clients", "4", "--rounds", "2", "--local-epochs", "1", "--trace", trace,
                  "--clock", "virtual", "--quiet", "--out", str(out)]) == 0
     got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["status"], r["reported"]) for r in got] == [("ok", 4), ("ok", 4)]
@@ -100,8 +100,8 @@ def test_on_the_real_clock_a_round_samples_the_clients_online_and_waits_for_none
     trace = _trace(tmp_path / "late.csv", [3600, 3600, 0, 3600], [7200] * 4)
     out = tmp_path / "run"
     started = time.monotonic()
-    done = run_main(["simulate", "--clients", "4", "--rounds", "2", "--local-epochs", "1", "--trace", trace,
-                     "--quiet", "--out", str(out)], capfd)
+    done = run_main(["simulate", "--no-plot", "--clients", "4", "--rounds", "2", "--local-epochs", "1", "--trace",
+                     trace, "--quiet", "--out", str(out)], capfd)
     assert done.returncode == 0 and time.monotonic() - started < 60, done.stderr
     got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["status"], r["sampled"], r["reported"]) for r in got] == [("ok", 1, 1)] * 2
@@ -114,7 +114,7 @@ def test_a_trace_that_never_has_enough_clients_online_is_one_line_after_a_simula
 
     trace = _trace(tmp_path / "never.csv", [3600, 3600, 0, 3600], [0, 0, 7200, 0])
     started = time.monotonic()
-    assert main(["simulate", "--clients", "4", "--rounds", "2", "--trace", trace, "--clock", "virtual",
+    assert main(["simulate", "--no-plot", "--clients", "4", "--rounds", "2", "--trace", trace, "--clock", "virtual",
                  "--deadline", "1", "--quiet", "--out", str(tmp_path / "run")]) != 0
     assert time.monotonic() - started < 120  # a simulated day of 1-minute steps, not the 300 s wait for agents
     err = capfd.readouterr().err
@@ -156,7 +156,7 @@ def test_a_trace_in_which_no_client_is_ever_online_is_refused_at_once(tmp_path, 
     from fedpar.cli.main import main
 
     trace = _trace(tmp_path / "never.csv", [3600] * 4, [0] * 4)
-    assert main(["simulate", "--clients", "4", "--rounds", "1", "--trace", trace, "--quiet",
+    assert main(["simulate", "--no-plot", "--clients", "4", "--rounds", "1", "--trace", trace, "--quiet",
                  "--out", str(tmp_path / "run")]) == 2
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
     assert lines == [f"fedpar simulate: no client of --trace {trace} is ever online (every available_for is 0); "
@@ -169,8 +169,8 @@ def test_a_trace_written_by_hand_with_spaces_after_its_commas_runs(tmp_path, cap
 
     rows = [", ".join(COLUMNS)] + [f"{i}, 0.01, 10, 5, 0, 86400" for i in range(3)]
     (tmp_path / "by_hand.csv").write_text("\n".join(rows) + "\n")
-    done = run_main(["simulate", "--clients", "3", "--rounds", "1", "--local-epochs", "1", "--quiet", "--trace",
-                     "by_hand.csv", "--clock", "virtual", "--out", "o"], capfd, tmp_path)
+    done = run_main(["simulate", "--no-plot", "--clients", "3", "--rounds", "1", "--local-epochs", "1", "--quiet",
+                     "--trace", "by_hand.csv", "--clock", "virtual", "--out", "o"], capfd, tmp_path)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["rounds"] == 1
 
@@ -187,8 +187,8 @@ def test_a_run_ends_without_waiting_out_a_day_long_step_of_its_trace(tmp_path, c
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
     started = time.monotonic()
     # on the CPU: on a GPU box busy with the suite, the members of its 3 s round had no time left to train there
-    done = run_main(["simulate", "--clients", "4", "--rounds", "1", "--local-epochs", "1", "--deadline", "3",
-                     "--quiet", "--trace", "t.csv", "--out", "o", "--device", "cpu"], capfd, tmp_path)
+    done = run_main(["simulate", "--no-plot", "--clients", "4", "--rounds", "1", "--local-epochs", "1", "--deadline",
+                     "3", "--quiet", "--trace", "t.csv", "--out", "o", "--device", "cpu"], capfd, tmp_path)
     took = time.monotonic() - started
     assert took < 50, f"the run waited for the slow client's day-long step after its round ended ({took:.0f} s)"
     assert done.returncode == 0 and done.stderr == "", done.stderr

@@ -126,7 +126,7 @@ def flags(case: dict[str, str], tmp: Path) -> list[str]:
     trace.write_text("client,seconds_per_step,download_mbps,upload_mbps,available_from,available_for\n" +
                      "".join(f"{c},{0.01 * (c + 1)},100,50,0,86400\n" for c in range(CLIENTS)))
     args = ["simulate", "--clients", str(CLIENTS), "--rounds", "2", "--local-epochs", "1", "--workers", "1",
-            "--quiet", "--out", str(tmp / "out")]
+            "--quiet", "--no-plot", "--out", str(tmp / "out")]
     for f, level in case.items():
         args += [x.format(trace=trace) for x in FACTORS[f][level]]
     return args

@@ -21,7 +21,7 @@ def _same_rounds(a_rows: list[dict], b_rows: list[dict], reported: int) -> None:
 
 def test_the_zoo_by_name_and_by_task_reference_learn_the_same_federation(tmp_path):
     common = dict(clients=4, rounds=2, local_epochs=1, seed=3, workers=1, slow_fraction=0.25, slow_step_delay=0.001,
-                  partition="dirichlet:0.5")
+                  partition="dirichlet:0.5", plot=False)
     _, by_name = simulate_rows(**common, model="cnn", dataset="digits", seats=1, out=str(tmp_path / "name"))
     # ... by reference on two seats: the cnn's 755 KB updates ride whole in the host's upload batches
     _, by_task = simulate_rows(**common, task="fedpar.tasks.zoo:classifier", seats=2,
@@ -33,7 +33,7 @@ def test_a_users_task_on_two_seats_and_two_aggregator_ranks_learns_what_one_seat
     # 3 of 6 clients a round: members come back, each with its own data from the task's client_data, on 2 seats
     csv = write_table(tmp_path / "table.csv")
     common = dict(task=EXAMPLE, task_options={"csv": str(csv), "hidden": "8"}, clients=6, clients_per_round=3,
-                  rounds=3, local_epochs=1, seed=5, learning_rate=0.01, workers=1)
+                  rounds=3, local_epochs=1, seed=5, learning_rate=0.01, workers=1, plot=False)
     _, agents = simulate_rows(**common, seats=1, out=str(tmp_path / "agents"))
     # the second aggregator rank loads the task by reference for its weight names and shapes, and folds the uploads
     # of the seats dealt to it
