@@ -337,8 +337,9 @@ def test_kill_9_of_rank_1_costs_its_share_of_the_open_round_and_a_new_rank_1_is_
 
 def test_kill_9_of_rank_0_starts_every_rank_again_and_the_run_resumes_with_every_round_once(tmp_path):
     """kill -9 of rank 0 (the coordinator) under `serve --aggregator-ranks 2 --checkpoint-dir --port P`: its launcher
-    says so in one line and starts every rank again; rank 0 resumes after the last checkpointed round, the agents re-join by
-    themselves, and the run ends with exit 0, every round once in the metrics and the last one checkpointed."""
+    says so in one line and starts every rank again; rank 0 resumes after the last checkpointed round, the agents
+    re-join by themselves, and the run ends with exit 0, every round once in the metrics and the last one
+    checkpointed."""
     rounds = 3
     port = free_port_run(2)
     proc = _serve(tmp_path, 2, "--port", str(port), "--rounds", str(rounds), "--clients-per-round", "4",
