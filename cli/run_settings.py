@@ -1,6 +1,6 @@
 """A run's settings: the run-level sections of ``fedpar serve`` (task, model and data, strategy and its options,
-rounds and cohort, deadline, local training, privacy, secure aggregation, compression, seed), read from a TOML file
-and checked with the same declarations as serve's flags."""
+rounds and cohort, deadline, local training, privacy, secure aggregation, compression, seed, plots), read from a TOML
+file and checked with the same declarations as serve's flags."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from fedpar.datasets.settings import DataSource
 from fedpar.meant import closest
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.task_settings import LocalTraining
-from fedpar.sections import Seeded
+from fedpar.sections import Plots, Seeded
 from fedpar.server.config import RoundSampling, SecureAggregation, StrategyChoice
 from fedpar.settings import declared_fields, setting_key
 from fedpar.task import TaskReference
 
 RUN_SECTIONS = (DataSource, TaskReference, StrategyChoice, RoundSampling, LocalTraining, SecureAggregation,
-                CompressionConfig, PrivacyOptions, Seeded)
+                CompressionConfig, PrivacyOptions, Seeded, Plots)
 RUN_KEYS = frozenset(setting_key(f) for cls in RUN_SECTIONS for f in declared_fields(cls))
 TABLE = "run"  # a run file's settings: its [run] table, or its top level
 

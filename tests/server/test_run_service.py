@@ -167,7 +167,7 @@ def test_three_runs_one_stopped_while_the_agents_stay_up_on_both_ranks(federatio
     first = fed.submit("plain", f'rounds = 2\nstrategy = "fedavg"\n{QUICK}')
     # the first submit and the listing below as processes (the real command); the other calls from this process
     long = fed.submit("long", f'rounds = 200\nstrategy = "fedprox"\n{QUICK}[strategy_options]\nmu = 0.01\n', here=True)
-    third = fed.submit("momentum", f'rounds = 2\nstrategy = "fedavgm"\n{QUICK}', here=True)
+    third = fed.submit("momentum", f'rounds = 2\nstrategy = "fedavgm"\nplot = false\n{QUICK}', here=True)
     never = fed.submit("never", f"rounds = 1\n{QUICK}", here=True)  # queued behind the others, stopped before it starts
     assert "was queued: stopped" in fed.run_here("stop", str(never)).stdout
     _wait_for(lambda: store.get(long).round >= 1, 240, "the long run never completed a round")
@@ -218,6 +218,8 @@ def test_three_runs_one_stopped_while_the_agents_stay_up_on_both_ranks(federatio
     assert not any(f'run="{run_id}"' in exposition for run_id in (first, long)), exposition  # dropped: not for ever
     # the stopped run has its plots too (only a signal's stop of the service leaves none)
     assert all((Path(f"{fed.state}.runs") / str(long) / name).is_file() for name in ("accuracy.png", "loss.png"))
+    assert not list((Path(f"{fed.state}.runs") / str(third)).glob("*.png"))  # its file said plot = false
+    assert runs[third].settings["plot"] is False and runs[first].settings["plot"] is True  # the service's default
     actions = [(a["who"], a["action"]) for a in store.audit_rows()]
     assert actions.count(("op", "submit")) == 4 and ("op", "stop") in actions and ("op", "get") in actions
     for run_id in (first, long, third):  # a TensorBoard folder per run, each with its own rounds
