@@ -9,10 +9,8 @@ code (130/143 after SIGINT/SIGTERM, with the summary of the rounds that complete
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
-import threading
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +27,7 @@ from fedpar.protocol.codec import grpc_target
 from fedpar.wording import counted
 from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.run_store import RunStore
-from fedpar.simulations.run_outputs import EarlierRun, RunOutputs, earlier_run_in
+from fedpar.simulations.run_outputs import EarlierRun, RunOutputs, earlier_run_in, import_plots_ahead
 
 
 class OneShotService(RunService):
@@ -170,9 +168,8 @@ def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:
 
 def _serve_once(args: argparse.Namespace, plan, ranks) -> int:
     """:func:`serve_once`, with --out held."""
-    # matplotlib takes about a second to import: do it now, not after the last round (or a Ctrl-C).
     if args.plot:
-        threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
+        import_plots_ahead()
     store = RunStore(":memory:")
     # a run that resumes its checkpoint goes on with the rows beside it
     service = OneShotService(args, store, lambda options: plan,

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,6 +173,12 @@ def run_wrote(out: Path) -> bool:
     metrics = Path(out) / "metrics.jsonl"
     return ((Path(out) / TENSORS).is_file() or (metrics.is_file() and metrics.stat().st_size > 0)
             or (Path(out) / CHECKPOINT_POINTER).is_file())
+
+
+def import_plots_ahead() -> None:
+    """Import the plots' module (matplotlib: about a second) on a thread of its own now, while the run starts, not
+    after its last round (or a Ctrl-C)."""
+    threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
 
 
 def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: str,

@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
 import logging
-import threading
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
@@ -42,7 +40,7 @@ from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, step_delays
 from fedpar.simulations.resume import RunRecord, check_resume
-from fedpar.simulations.run_outputs import RunOutputs, earlier_run_in, write_run_outputs
+from fedpar.simulations.run_outputs import RunOutputs, earlier_run_in, import_plots_ahead, write_run_outputs
 from fedpar.simulations.traces import VIRTUAL_DAY, Traces, traces_for
 from fedpar.simulations.worker_processes import WorkerProcesses, check_population_fits, start_workers
 from fedpar.settings import composed
@@ -203,8 +201,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     # loading overlaps the coordinator's.
     workers = workers or start_workers(cfg)
     if cfg.out and cfg.plot:
-        # matplotlib takes about a second to import: do it while the workers start, not after the last round.
-        threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
+        import_plots_ahead()  # while the workers start
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
     threads = torch.get_num_threads()
     if device_kind(cfg.device) == "cpu":

@@ -35,14 +35,14 @@ def test_a_simulation_with_no_plot_draws_none_imports_no_matplotlib_and_leaves_n
     assert summary["rounds"] == 1 and summary["config"]["plot"] is False
 
 
-def test_the_plot_setting_is_one_declaration_that_serve_simulate_and_train_take_from_a_config_file(tmp_path):
-    from fedpar.cli.main import build_parser
+def test_serve_simulate_and_train_take_the_setting_and_a_config_file_sets_it(tmp_path):
+    """One declaration (tests/test_settings_declared_once.py holds it to one help text): each command parses it."""
+    from fedpar.cli.main import build_parser, subcommand_parser
 
     parser = build_parser()
-    commands = parser._subparsers._group_actions[0].choices
-    helps = {name: next(a.help for a in commands[name]._actions if a.dest == "plot")
-             for name in ("serve", "simulate", "train")}
-    assert len(set(helps.values())) == 1 and "--no-plot" in helps["simulate"]
+    for name in ("serve", "simulate", "train"):
+        command = subcommand_parser(parser, name)
+        assert command.parse_args(["--no-plot"]).plot is False and command.parse_args([]).plot is True, name
     config = tmp_path / "run.toml"
     config.write_text("plot = false\n")
     out = tmp_path / "out"
