@@ -103,7 +103,7 @@ def test_serve_ranks_started_again_serve_metrics_on_the_same_port(tmp_path):
     # port; with --metrics-port 0 rank 0 took another free metrics port each start.
     proc = subprocess.Popen([sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", str(free_port_run(2)),
                              "--aggregator-ranks", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--metrics-port",
-                             "0", "--min-available", "2", "--out", str(tmp_path / "out")],
+                             "0", "--min-available", "2", "--out", str(tmp_path / "out"), "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     said: list[str] = []
 

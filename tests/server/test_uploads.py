@@ -179,7 +179,9 @@ def test_a_refused_upload_leaves_no_reference_cycle():
     try:
         asyncio.run(refused_uploads())
         gc.collect()
-        cyclic = [o for o in gc.garbage if isinstance(o, Refusal)]
+        # only this test's refusals: a data plane another test in this worker left is cyclic garbage of its own
+        # (its accept thread's target is its own method) and holds its one shared handshake refusal
+        cyclic = [o for o in gc.garbage if isinstance(o, Refusal) and o.message.startswith("round 1 is closed")]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
