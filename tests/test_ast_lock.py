@@ -60,5 +60,9 @@ def test_threads_parsing_at_once_after_fedpar_is_imported_raise_nothing():
 
 @pytest.mark.skipif(not NEEDED, reason="this CPython keeps the AST builder's depth per parse")
 def test_the_same_race_without_the_lock_fails_on_this_cpython():
-    count, _, first = race("none").partition(" ")
+    # a race may meet no mismatch on a loaded machine (the suite's workers on two cores once did): up to three runs
+    for _ in range(3):
+        count, _, first = race("none").partition(" ")
+        if int(count) >= 1:
+            break
     assert int(count) >= 1 and "AST constructor recursion depth mismatch" in first
