@@ -249,7 +249,7 @@ class FlowerMessageStrategy(legacy.FlowerStrategy):
         total = float(sum(_weight_of(reply) for reply in replies))
         with _quiet_flower():
             arrays, flower_metrics = strategy.aggregate_train(self.round_id, replies)
-        metrics = {"num_examples": total, **legacy._numeric(dict(flower_metrics or {}))}
+        metrics = {"num_examples": total, **legacy.flower_metrics_row(dict(flower_metrics or {}))}
         if arrays is None:
             log.warning("round %d: %s.aggregate_train returned no arrays; the global model stays", self.round_id,
                         type(strategy).__name__)
@@ -285,7 +285,7 @@ def _identify_as_server() -> None:
 
 def _saved_state(strategy: MessageBase) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """What the legacy adapter saves (arrays, lists of arrays), and every attribute holding a dict of arrays."""
-    arrays, meta = legacy._saved_arrays(strategy)
+    arrays, meta = legacy.saved_arrays(strategy)
     records: dict[str, list[str]] = {}
     for attr, value in vars(strategy).items():
         if isinstance(value, dict) and value and all(isinstance(v, np.ndarray) for v in value.values()):
@@ -296,7 +296,7 @@ def _saved_state(strategy: MessageBase) -> tuple[dict[str, np.ndarray], dict[str
 
 def _restore_state(strategy: MessageBase, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
     """Set back what :func:`_saved_state` took; ValueError naming a missing array."""
-    legacy._restore_arrays(strategy, arrays, meta)
+    legacy.restore_arrays(strategy, arrays, meta)
     for attr, keys in meta.get("flower_records", {}).items():
         try:
             setattr(strategy, attr, {k: np.array(arrays[f"{attr}.{i}"]) for i, k in enumerate(keys)})

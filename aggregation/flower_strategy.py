@@ -244,12 +244,12 @@ class FlowerStrategy(Strategy):
     @staticmethod
     def _saved(strategy) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The strategy's state as named arrays and their kinds."""
-        return _saved_arrays(strategy)
+        return saved_arrays(strategy)
 
     @staticmethod
     def _restore_saved(strategy, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         """Set back what :meth:`_saved` took."""
-        _restore_arrays(strategy, arrays, meta)
+        restore_arrays(strategy, arrays, meta)
 
     def client_config(self, round_id: int) -> TaskSettings:
         """``configure_fit``'s config for this round: ``proximal_mu`` as fedpar's own, the rest as ``fit_config``."""
@@ -343,7 +343,7 @@ class FlowerStrategy(Strategy):
             raise StrategyFailed(f"round {self.round_id}: {self.name}'s aggregate_fit returned {_kind(answer)}, not "
                                  "a (Parameters or None, dict of metrics) pair: fix the strategy")
         parameters, flower_metrics = answer
-        metrics = {"num_examples": total, **_numeric(flower_metrics)}
+        metrics = {"num_examples": total, **flower_metrics_row(flower_metrics)}
         if parameters is None:
             log.warning("round %d: %s.aggregate_fit returned no parameters; the global model stays",
                         self.round_id, type(strategy).__name__)
@@ -399,7 +399,7 @@ def _kind(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
+def flower_metrics_row(metrics: dict[str, Any]) -> dict[str, float]:
     """Finite numeric entries of Flower's metrics, named ``flower_KEY`` (for the round's metrics row)."""
     out = {}
     for key, value in (metrics or {}).items():
@@ -408,7 +408,7 @@ def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _saved_arrays(strategy: FlowerBase) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def saved_arrays(strategy: FlowerBase) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Every attribute holding an array, a list of arrays or Parameters: as named arrays plus their kinds."""
     arrays: dict[str, np.ndarray] = {}
     kinds: dict[str, list] = {}
@@ -426,8 +426,8 @@ def _saved_arrays(strategy: FlowerBase) -> tuple[dict[str, np.ndarray], dict[str
     return arrays, {"flower_arrays": kinds}
 
 
-def _restore_arrays(strategy: FlowerBase, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-    """Set back what :func:`_saved_arrays` took; ValueError naming a missing array."""
+def restore_arrays(strategy: FlowerBase, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    """Set back what :func:`saved_arrays` took; ValueError naming a missing array."""
     for attr, (kind, count) in meta.get("flower_arrays", {}).items():
         try:
             values = [np.array(arrays[f"{attr}.{i}"]) for i in range(int(count))]

@@ -49,26 +49,32 @@ class CertPaths:
 
     @property
     def ca_cert(self) -> Path:
+        """The CA certificate that signs every other one."""
         return self.root / "ca.pem"
 
     @property
     def ca_key(self) -> Path:
+        """The CA private key (only `fedpar certs` reads it)."""
         return self.root / "ca.key"
 
     @property
     def server_cert(self) -> Path:
+        """The coordinator's certificate."""
         return self.root / "server.pem"
 
     @property
     def server_key(self) -> Path:
+        """The coordinator's private key."""
         return self.root / "server.key"
 
     @property
     def revoked(self) -> Path:
+        """The revocation list the coordinator watches (what `fedpar certs --revoke` appends to)."""
         return self.root / "revoked.txt"
 
     @property
     def tokens(self) -> Path:
+        """The SHA-256 of each enrollment token `fedpar certs` issued (what --enrollment-tokens reads)."""
         return self.root / "tokens.txt"
 
     def operator_cert(self, name: str) -> Path:

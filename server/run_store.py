@@ -9,11 +9,13 @@ application's SQLite database is refused before anything is written into it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,27 +221,22 @@ class RunStore:
         return self._read("SELECT version FROM schema_version")[0][0]
 
     # ----------------------------------------------------------------- transactions
-    class _Transaction:
-        def __init__(self, store: RunStore):
-            self.store = store
-
-        def __enter__(self) -> sqlite3.Connection:
-            self.store._lock.acquire()
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE), committed when the block ends and rolled back if it raises."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
             try:
-                self.store._db.execute("BEGIN IMMEDIATE")
+                yield self._db
             except BaseException:
-                self.store._lock.release()
+                self._db.execute("ROLLBACK")
                 raise
-            return self.store._db
-
-        def __exit__(self, kind, exc, tb) -> None:
             try:
-                self.store._db.execute("COMMIT" if kind is None else "ROLLBACK")
-            finally:
-                self.store._lock.release()
-
-    def _write(self) -> _Transaction:
-        return RunStore._Transaction(self)
+                self._db.execute("COMMIT")
+            except sqlite3.Error:
+                with contextlib.suppress(sqlite3.Error):  # a failed COMMIT (a full disk) may leave it open
+                    self._db.execute("ROLLBACK")
+                raise
 
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._lock:
@@ -432,4 +429,6 @@ def _explain(path: str, exc: sqlite3.DatabaseError) -> str:
     if "unable to open" in text:  # or of the files beside it (WAL mode): a folder there, or one it may not write
         return (f"state file {path}: {text}; SQLite keeps {path}-wal and {path}-shm beside it: each must be a file "
                 "this user may write, or not there (move aside what is in the way), or give another --state")
+    if "disk I/O error" in text:  # what sqlite says of a write the disk refused (EFBIG, EIO; ENOSPC says "full")
+        return f"state file {path}: disk I/O error (a full disk, or a failing one: see the system's log)"
     return f"state file {path}: {text}"

@@ -1,6 +1,9 @@
 """The run store: runs, round metrics and audit in SQLite, transactional, versioned, recovered after a crash."""
 
+import json
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 
@@ -128,3 +131,39 @@ def test_an_in_memory_store_keeps_a_runs_last_row_only_so_a_long_one_shot_run_do
     run = store.get(run_id)
     assert (run.round, run.last_metrics["test_accuracy"]) == (1000, 1.0)
     assert store.round_metrics(run_id) == []  # metrics.jsonl holds the one-shot form's history
+
+
+
+# In a process of its own: the file-size limit (a full disk as the process sees it: writes beyond it fail) holds for
+# every thread of the process that sets it.
+FULL_DISK = """
+import json, os, resource, signal, sys
+from fedpar.server.run_store import RunStore, StoreError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing the process
+path = sys.argv[1]
+store = RunStore(path)
+kept = store.submit("kept", {"rounds": 1})
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path + "-wal") + 50_000, hard))
+try:
+    store.submit("too big", {"blob": "x" * 400_000})
+    refusal = None
+except StoreError as exc:
+    refusal = str(exc)
+during = [r.name for r in store.runs()]
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+later = store.submit("later", {"rounds": 1})
+store.close()
+print(json.dumps({"refusal": refusal, "during": during, "kept": kept, "later": later}))
+"""
+
+
+def test_a_write_the_disk_cannot_hold_is_one_clear_error_rolled_back_and_the_store_goes_on(tmp_path):
+    path = tmp_path / "state.db"
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout)
+    assert said["refusal"] == (f"state file {path}: disk I/O error (a full disk, or a failing one: see the system's "
+                               "log)")  # one line, naming the file
+    assert said["during"] == ["kept"]  # the refused write left no row, and the store's lock is free again
+    assert [(r.id, r.name) for r in RunStore(path).runs()] == [(said["kept"], "kept"), (said["later"], "later")]
