@@ -38,9 +38,9 @@ from fedpar.client.host_stream import KeptStream
 from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import SendSmall, ingest_address, upload_small
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, FRAMING_BYTES, PROTOCOL_VERSION, SESSION_FREE_IN,
-                                   SMALL_UPDATE_BYTES, CoordinatorStub, channel_options, entries_within, member_token,
-                                   one_line)
+from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, FRAMING_BYTES, MAX_POPULATION_JOIN, PROTOCOL_VERSION,
+                                   SESSION_FREE_IN, SMALL_UPDATE_BYTES, CoordinatorStub, channel_options,
+                                   entries_within, member_token, one_line)
 from fedpar.protocol.task_settings import MAX_TASK_SECONDS
 from fedpar.security.handshake import answers_http1, diagnose_handshake, lookup_trouble, tls_mismatch
 from fedpar.security.tls import TlsFiles
@@ -53,7 +53,6 @@ REMIND_SECONDS = 300.0  # while the coordinator stays unreachable, a line says s
 LEAVE_SECONDS = 2.0  # an agent's goodbye as it exits: not worth a longer wait on a coordinator that does not answer
 MAX_INGEST_ADDRESSES = 64  # aggregator ranks kept dialed (each holds a channel, and a host's an upload thread)
 MAX_CHUNK_BYTES = 64 << 20  # what a runtime's channels carry in one message (a coordinator's --max-chunk-bytes cap)
-JOIN_CHUNK = 10_000  # members registered per JoinPopulation call (the coordinator's --max-population-join default)
 # A member's bytes in a JoinPopulation request besides its id: the newline after it, its examples and, if away, its
 # index (varints of at most 10 bytes each)
 JOIN_MEMBER_BYTES = 21
@@ -623,8 +622,8 @@ class HostLink:
         self.local_epochs = 1  # the latest task's: with a member's examples, the bound on its update's weight
 
     def join(self) -> None:
-        """A new session for the host and every member, up to JOIN_CHUNK members per call; what was queued for the old
-        sessions is moot. The session this host held (the latest the coordinator gave it, a join cut short
+        """A new session for the host and every member, up to MAX_POPULATION_JOIN members per call; what was queued
+        for the old sessions is moot. The session this host held (the latest the coordinator gave it, a join cut short
         included) goes with the first call: it proves this process may take the host's place back, which the
         coordinator refuses (ALREADY_EXISTS) to another process while this one's session is live."""
         held, session = self.host.token, ""  # a new session, whatever the coordinator remembers
@@ -632,7 +631,7 @@ class HostLink:
         # fits the framing alone (a coordinator of --max-chunk-bytes 4096 refused 10,000 members' every call)
         room, start = FRAMING_BYTES // 2, 0
         while start < len(self.members):
-            most = max(1, min(JOIN_CHUNK, room // (JOIN_MEMBER_BYTES + 1)))  # no more ids made than can fit
+            most = max(1, min(MAX_POPULATION_JOIN, room // (JOIN_MEMBER_BYTES + 1)))  # no more ids made than can fit
             ids, sizes, away = self.members.joining(start, min(start + most, len(self.members)))
             count = entries_within(ids, room, JOIN_MEMBER_BYTES)
             ids, sizes, away = ids[:count], sizes[:count], away[:count]

@@ -319,6 +319,8 @@ PROTOCOL_VERSION = 4  # 2: JoinPopulation carries its members as arrays; 3: a ho
 # 4: its long-polls go on its HostTaskStream
 SERVICE_NAME = "fedpar.v1.Coordinator"
 DEFAULT_CHUNK_BYTES = 1 << 20
+# members registered by one JoinPopulation call: a host sends no more, a coordinator takes no more
+MAX_POPULATION_JOIN = 10_000
 # Room for the protobuf framing around one chunk's payload.
 FRAMING_BYTES = 64 << 10
 REPEATED_ENTRY_BYTES = 6  # beside an entry of a repeated field in a message under 64 MiB: its tag and length

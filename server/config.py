@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedpar.protocol.compressed_wire import CompressionConfig
-from fedpar.protocol.codec import DEFAULT_CHUNK_BYTES
+from fedpar.protocol.codec import DEFAULT_CHUNK_BYTES, MAX_POPULATION_JOIN
 from fedpar.protocol.task_settings import LocalTraining
 from fedpar.secagg.field import MAX_CLIP
 from fedpar.sections import Seeded
@@ -232,7 +232,7 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
                                        help="let simulation hosts (`fedpar simulate-workers`) register virtual "
                                             "populations: members without certificates of their own, live while "
                                             "their host calls")
-    max_population_join: int = 10_000  # members in one JoinPopulation call
+    max_population_join: int = MAX_POPULATION_JOIN  # members in one JoinPopulation call (lower in tests)
     # simulate on the real clock with availability traces: min_available counts the members that joined, those
     # offline by their trace too, once one is live (a round samples the live ones); elsewhere it counts live ones
     joined_count_as_available: bool = False
