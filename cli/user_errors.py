@@ -58,8 +58,11 @@ def check_output_folder(path, option: str = "--out") -> None:
     path = Path(path)
     for part in (path, *path.parents):
         if part.exists():
-            if not part.is_dir():
-                raise UserError(f"{option} {path}: {part} is a file, not a folder; remove it or point {option} "
+            if part.is_file():
+                raise UserError(f"{option} {path}: {part} is a file, not a folder; move it aside or point {option} "
+                                "at a folder")
+            if not part.is_dir():  # a device such as /dev/null, a pipe, a socket: nothing to move aside
+                raise UserError(f"{option} {path}: {part} is not a folder (a device, pipe or socket); point {option} "
                                 "at a folder")
             return
 

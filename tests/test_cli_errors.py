@@ -258,8 +258,8 @@ def test_an_impossible_setting_is_refused_in_one_line_before_anything_runs(argv,
 def test_a_tensorboard_or_run_get_folder_that_is_a_file_is_named_with_what_to_do(tmp_path, capsys):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'fedpar[tensorboard]')")
     (tmp_path / "a-file").write_text("")
-    said = f"--tensorboard {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not a folder; remove it or point " \
-        "--tensorboard at a folder"
+    said = f"--tensorboard {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not a folder; move it aside or " \
+        "point --tensorboard at a folder"
     # it was "File exists: a-file in folder ...; remove it or pick another path": neither the option nor a folder
     for command in (["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "s")],
                     ["simulate", "--clients", "2", "--rounds", "1", "--out", str(tmp_path / "s")]):
@@ -271,7 +271,14 @@ def test_a_tensorboard_or_run_get_folder_that_is_a_file_is_named_with_what_to_do
     code, lines = _said_in_process(["run", "get", "1", "--out", str(tmp_path / "a-file"), "--control", "127.0.0.1:1",
                                     "--certs", str(certs), "--operator", "op"], capsys)
     assert (code, lines) == (2, [f"fedpar run: --out {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not a "
-                                 "folder; remove it or point --out at a folder"]), lines
+                                 "folder; move it aside or point --out at a folder"]), lines
+
+
+def test_an_out_that_is_a_device_is_not_called_a_file_to_remove(capsys):
+    # it said "/dev/null is a file, not a folder; remove it or point --out at a folder", to a user who may be root
+    code, lines = _said_in_process(["simulate", "--rounds", "1", "--out", "/dev/null"], capsys)
+    assert (code, lines) == (2, ["fedpar simulate: --out /dev/null: /dev/null is not a folder (a device, pipe or "
+                                 "socket); point --out at a folder"]), lines
 
 
 @pytest.mark.parametrize("where, said", [("/proc/x", "cannot make the folder"),

@@ -441,8 +441,8 @@ def test_certs_out_under_a_file_says_so_in_one_line(tmp_path, capfd):
     out = tmp_path / "notes.txt" / "certs"
     done = run_main(["certs", "--out", str(out), "--agents", "x"], capfd)
     assert done.returncode == 2 and done.stdout == "" and done.stderr == (
-        f"fedpar certs: --out {out}: {tmp_path / 'notes.txt'} is a file, not a folder; remove it or point --out at a "
-        "folder\n"), done.stderr
+        f"fedpar certs: --out {out}: {tmp_path / 'notes.txt'} is a file, not a folder; move it aside or point --out "
+        "at a folder\n"), done.stderr
     assert (tmp_path / "notes.txt").read_text() == "kept"
 
 
