@@ -229,14 +229,18 @@ class RunStore:
             try:
                 yield self._db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._roll_back()
                 raise
             try:
                 self._db.execute("COMMIT")
             except sqlite3.Error:
-                with contextlib.suppress(sqlite3.Error):  # a failed COMMIT (a full disk) may leave it open
-                    self._db.execute("ROLLBACK")
+                self._roll_back()  # a failed COMMIT (a full disk) may leave the transaction open
                 raise
+
+    def _roll_back(self) -> None:
+        # sqlite may have rolled back by itself (after an I/O error): then the error that got here is the one to say
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("ROLLBACK")
 
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._lock:

@@ -133,7 +133,6 @@ def test_an_in_memory_store_keeps_a_runs_last_row_only_so_a_long_one_shot_run_do
     assert store.round_metrics(run_id) == []  # metrics.jsonl holds the one-shot form's history
 
 
-
 # In a process of its own: the file-size limit (a full disk as the process sees it: writes beyond it fail) holds for
 # every thread of the process that sets it.
 FULL_DISK = """
