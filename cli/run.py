@@ -202,6 +202,10 @@ def _submit_file(args: argparse.Namespace, stub, words: list[str]) -> int:
     if reply.warning:
         print(f"fedpar run: warning: {reply.warning}", file=sys.stderr)
     print(reply.run_id, flush=True)
+    if not args.follow and sys.stdout.isatty():  # a person, not a script reading the id: what comes next
+        print(f"run {reply.run_id} is submitted: follow it with 'fedpar run logs {reply.run_id} -f' and fetch its "
+              f"model with 'fedpar run get {reply.run_id} --out DIR' (with the same --control, --certs and --operator)",
+              file=sys.stderr)
     return _logs(stub, reply.run_id, True) if args.follow else 0
 
 

@@ -6,6 +6,10 @@ run store, and `fedpar run` by its main."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import pty
 import threading
 import time
 from pathlib import Path
@@ -15,13 +19,14 @@ import numpy
 import pytest
 import safetensors.numpy
 
+from fedpar.cli.main import main
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol import fedpar_pb2_grpc as pb_grpc
 from fedpar.security.certs import CertPaths
 from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.server.run_store import RunStore
 from support.control_api import control_api
-from support.in_process import main_here
+from support.in_process import environment_put_back, main_here, torch_state_put_back
 
 
 @pytest.fixture
@@ -289,3 +294,21 @@ def test_ctrl_c_of_a_follow_says_the_run_goes_on_and_how_to_stop_it(control, tmp
                                             f"service ('fedpar run stop {run_id}' stops it; 'fedpar run logs {run_id} "
                                             "-f' follows it again)"), err
     assert store.get(run_id).status == "queued"  # the run was not stopped
+
+
+def test_a_submit_at_a_terminal_says_how_to_follow_the_run_and_a_script_gets_the_id_alone(control, tmp_path):
+    store, options, _, _ = control
+    (tmp_path / "one.toml").write_text("rounds = 1\n")
+    piped = _run(options, "submit", str(tmp_path / "one.toml"))
+    assert (piped.returncode, piped.stdout, piped.stderr) == (0, "1\n", ""), piped  # id=$(fedpar run submit ...)
+    master, follower = pty.openpty()
+    err = io.StringIO()
+    with open(follower, "w") as terminal, contextlib.redirect_stdout(terminal), contextlib.redirect_stderr(err), \
+            environment_put_back(), torch_state_put_back():
+        code = main(["run", "submit", str(tmp_path / "one.toml"), *options])
+    said = os.read(master, 4096).decode()
+    os.close(master)
+    assert (code, said) == (0, "2\r\n")
+    assert err.getvalue() == ("run 2 is submitted: follow it with 'fedpar run logs 2 -f' and fetch its model with "
+                              "'fedpar run get 2 --out DIR' (with the same --control, --certs and --operator)\n")
+    assert [r.id for r in store.runs()] == [1, 2]
